@@ -1,0 +1,50 @@
+"""Input validation shared by the fused kernel and the torch reference."""
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_inputs(x, weight, targets, ignore_index, reduction, vocab_size):
+    """Raise a ValueError/TypeError naming the problem; return the effective vocab size.
+
+    Target values are range-checked only for CPU tensors: on the GPU that check would force a
+    host synchronisation every step. There, an out-of-range target gives a NaN loss instead.
+    """
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError("x and weight must be tensors")
+    if x.dtype not in _FLOAT_DTYPES or weight.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"x and weight must be float32/bfloat16/float16, got {x.dtype} and {weight.dtype}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets must be int64 (or int32), got {targets.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (V, D), got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x's last dim must equal weight's D: x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
+        )
+    if tuple(targets.shape) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal x's leading dims {tuple(x.shape[:-1])}"
+        )
+    if x.device != weight.device or x.device != targets.device:
+        raise ValueError(
+            f"x, weight, targets must be on one device, got {x.device}, {weight.device}, {targets.device}"
+        )
+    V, D = weight.shape
+    if V == 0 or D == 0:
+        raise ValueError(f"weight must have V > 0 and D > 0, got shape {tuple(weight.shape)}")
+    if vocab_size is None:
+        vocab_size = V
+    if not 0 < vocab_size <= V:
+        raise ValueError(f"vocab_size must be in [1, V={V}], got {vocab_size}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if targets.device.type == "cpu" and targets.numel() > 0:
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+        if bool(bad.any()):
+            first = targets[bad][0].item()
+            raise ValueError(
+                f"target {first} is outside [0, {vocab_size}) and is not ignore_index={ignore_index}"
+            )
+    return vocab_size
