@@ -1,12 +1,10 @@
 """Fused final linear layer + cross-entropy that never materialises the (tokens x vocab) logits.
 
-Public API: `fused_linear_cross_entropy` (Triton on CUDA, the Triton interpreter on CPU when
-TRITON_INTERPRET=1, else the torch reference) and `linear_cross_entropy_reference`.
+Public API: `fused_linear_cross_entropy` (Triton kernels on CUDA; on CPU the Triton interpreter
+when TRITON_INTERPRET=1, else the torch reference) and `linear_cross_entropy_reference`.
 """
 
+from fused_loss.fused import fused_linear_cross_entropy
 from fused_loss.reference import linear_cross_entropy_reference
-
-# Until the Triton kernel lands, the public function is the reference.
-fused_linear_cross_entropy = linear_cross_entropy_reference
 
 __all__ = ["fused_linear_cross_entropy", "linear_cross_entropy_reference"]

@@ -2,19 +2,20 @@
 
 import torch
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_inputs(x, weight, targets, ignore_index, reduction, vocab_size):
     """Raise a ValueError/TypeError naming the problem; return the effective vocab size.
 
-    Target values are range-checked only for CPU tensors: on the GPU that check would force a
-    host synchronisation every step. There, an out-of-range target gives a NaN loss instead.
+    Target values are range-checked only for CPU tensors outside torch.compile: on the GPU that
+    check would force a host synchronisation every step, and under compile a data-dependent branch.
+    There, an out-of-range target gives a NaN loss instead (never an out-of-bounds read).
     """
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("x and weight must be tensors")
     if x.dtype not in _FLOAT_DTYPES or weight.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"x and weight must be float32/bfloat16/float16, got {x.dtype} and {weight.dtype}")
+        raise TypeError(f"x and weight must be floating point, got {x.dtype} and {weight.dtype}")
     if targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must be int64 (or int32), got {targets.dtype}")
     if weight.dim() != 2:
@@ -40,7 +41,7 @@ def check_inputs(x, weight, targets, ignore_index, reduction, vocab_size):
         raise ValueError(f"vocab_size must be in [1, V={V}], got {vocab_size}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if targets.device.type == "cpu" and targets.numel() > 0:
+    if targets.device.type == "cpu" and targets.numel() > 0 and not torch.compiler.is_compiling():
         bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
         if bool(bad.any()):
             first = targets[bad][0].item()

@@ -1,0 +1,236 @@
+"""fused_linear_cross_entropy against an independent float64 reference.
+
+On CPU the real Triton kernels run under the interpreter (TRITON_INTERPRET=1, set in conftest.py)
+on small shapes; the `gpu` tests run them compiled at real sizes. Tolerance rule: the kernel's
+error against float64 must be no worse than PyTorch's own error at the same input dtype (logits in
+that dtype, then fp32 cross-entropy) times a small factor, plus a small absolute slack.
+"""
+
+import pytest
+import torch
+
+import fused_loss.fused as fl
+from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
+
+CUDA = torch.cuda.is_available()
+needs_kernels = pytest.mark.skipif(
+    not CUDA and not fl.interpreting(), reason="needs CUDA or TRITON_INTERPRET=1"
+)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def _make(N, D, V, vocab, dtype, device, ignore_frac=0.0, logit_std=2.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g)
+    w = torch.randn(V, D, generator=g) * (logit_std / D**0.5)
+    t = torch.randint(0, vocab, (N,), generator=g)
+    t[torch.rand(N, generator=g) < ignore_frac] = -100
+    return x.to(device, dtype), w.to(device, dtype), t.to(device)
+
+
+def _run(fn, x, w, t, upstream, **kw):
+    """Loss and grads of upstream * loss (a tensor upstream for reduction='none')."""
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    loss = fn(x, w, t, **kw)
+    (loss * upstream.to(loss.dtype)).sum().backward()
+    return loss.detach(), x.grad, w.grad
+
+
+def _check(x, w, t, vocab, reduction, upstream, factor=1.25, slack=1e-3):
+    kw = dict(reduction=reduction, vocab_size=vocab)
+    ours = _run(fused_linear_cross_entropy, x, w, t, upstream, **kw)
+    ref64 = _run(linear_cross_entropy_reference, x.double(), w.double(), t, upstream.double(), **kw)
+    torch_same_dtype = _run(linear_cross_entropy_reference, x, w, t, upstream, **kw)
+    assert ours[1].dtype == x.dtype and ours[2].dtype == w.dtype
+    for name, o, r, p in zip(("loss", "dx", "dw"), ours, ref64, torch_same_dtype):
+        assert torch.isfinite(o).all(), name
+        if r.abs().max() == 0:  # e.g. everything ignored: must be exactly zero too
+            assert o.abs().max() == 0, name
+            continue
+        err, err_torch = _rel(o, r), _rel(p, r)
+        assert err <= factor * err_torch + slack, f"{name}: {err:.2e} vs torch {err_torch:.2e}"
+    if vocab < w.shape[0]:
+        assert (ours[2][vocab:] == 0).all(), "padded rows must get exactly zero gradient"
+    return ours
+
+
+SHAPES = [
+    (64, 32, 128, 128),  # aligned to the interpreter's tiles
+    (37, 24, 70, 65),  # ragged N, D, V, and padded columns
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_matches_reference(shape, dtype, reduction):
+    N, D, V, vocab = shape
+    x, w, t = _make(N, D, V, vocab, dtype, "cpu", ignore_frac=0.2)
+    upstream = torch.rand(N) if reduction == "none" else torch.tensor(0.37)
+    _check(x, w, t, vocab, reduction, upstream)
+
+
+@needs_kernels
+@pytest.mark.parametrize("ignore_frac", [0.0, 0.2, 1.0])
+def test_ignored_targets(ignore_frac):
+    x, w, t = _make(48, 32, 96, 90, torch.float32, "cpu", ignore_frac=ignore_frac)
+    loss, dx, dw = _check(x, w, t, 90, "mean", torch.tensor(1.0))
+    if ignore_frac == 1.0:  # mean over nothing is 0, not NaN, with zero grads
+        assert loss.item() == 0.0 and dx.abs().max() == 0 and dw.abs().max() == 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_peaky_logits(dtype):
+    # Large-magnitude rows: a near one-hot softmax, where a careless exp overflows.
+    x, w, t = _make(40, 32, 80, 80, dtype, "cpu", logit_std=40.0, seed=1)
+    x[::3] *= 4
+    _check(x, w, t, 80, "mean", torch.tensor(1.0))
+
+
+@needs_kernels
+def test_many_chunks(monkeypatch):
+    # A tiny buffer budget forces several row chunks: dw accumulates across them (the hi/lo pair
+    # for bf16 weights), dx is written chunk by chunk.
+    cfg = fl.CONFIGS["cpu"]["logits"]
+    V = 96
+    Vb = -(-V // cfg["BV"]) * cfg["BV"]
+    monkeypatch.setattr(fl, "BUFFER_BYTES", 32 * Vb * 2)
+    assert fl.chunk_rows(150, Vb, 2, multiple=16) == 32
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w, t = _make(150, 32, V, 90, dtype, "cpu", ignore_frac=0.1, seed=2)
+        _check(x, w, t, 90, "mean", torch.tensor(2.0))
+        _check(x, w, t, 90, "none", torch.rand(150))
+
+
+@needs_kernels
+def test_padded_rows_are_inert():
+    # Poisoning the padded rows of w must change nothing, bit for bit, and their grad stays 0.
+    x, w, t = _make(40, 32, 80, 70, torch.bfloat16, "cpu", ignore_frac=0.2, seed=3)
+    clean = _run(fused_linear_cross_entropy, x, w, t, torch.tensor(1.0), vocab_size=70)
+    w_bad = w.clone()
+    w_bad[70:] = 3e4
+    poisoned = _run(fused_linear_cross_entropy, x, w_bad, t, torch.tensor(1.0), vocab_size=70)
+    for a, b in zip(clean, poisoned):
+        assert torch.equal(a, b)
+    assert (poisoned[2][70:] == 0).all()
+
+
+@needs_kernels
+def test_autocast_fp32_master_weight():
+    # bf16 activations under autocast with an fp32 weight: matmuls in bf16, dw comes back fp32.
+    x, w, t = _make(32, 32, 64, 60, torch.float32, "cpu", seed=4)
+    xs = x.clone().requires_grad_()
+    ws = w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(xs, ws, t, vocab_size=60)
+    loss.backward()
+    assert loss.dtype == torch.float32 and xs.grad.dtype == torch.float32
+    assert ws.grad.dtype == torch.float32
+    ref = _run(
+        linear_cross_entropy_reference, x.double(), w.double(), t, torch.tensor(1.0), vocab_size=60
+    )
+    assert (
+        _rel(loss, ref[0]) < 1e-2 and _rel(xs.grad, ref[1]) < 2e-2 and _rel(ws.grad, ref[2]) < 2e-2
+    )
+
+
+@needs_kernels
+def test_no_grad_forward_and_leading_dims():
+    x, w, t = _make(24, 16, 40, 40, torch.float32, "cpu", seed=5)
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(x.view(4, 6, 16), w, t.view(4, 6), reduction="none")
+    ref = linear_cross_entropy_reference(x.double(), w.double(), t, reduction="none")
+    assert loss.shape == (4, 6)
+    assert _rel(loss.view(-1), ref) < 1e-5
+
+
+@needs_kernels
+def test_torch_compile_traces_the_custom_op():
+    x, w, t = _make(32, 16, 48, 40, torch.float32, "cpu", seed=6)
+
+    def f(x, w, t):
+        return fused_linear_cross_entropy(x, w, t, vocab_size=40) * 3.0
+
+    eager = _run(f, x, w, t, torch.tensor(1.0))
+    compiled = _run(
+        torch.compile(f, backend="aot_eager", fullgraph=True), x, w, t, torch.tensor(1.0)
+    )
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b)
+
+
+def test_bad_inputs_raise_clear_errors():
+    x, w, t = _make(8, 16, 32, 32, torch.float32, "cpu")
+    f = fused_linear_cross_entropy
+    with pytest.raises(ValueError, match="last dim"):
+        f(x[:, :8], w, t)
+    with pytest.raises(ValueError, match="targets shape"):
+        f(x, w, t[:4])
+    with pytest.raises(TypeError, match="targets must be int64"):
+        f(x, w, t.float())
+    with pytest.raises(TypeError, match="floating point"):
+        f(x.int(), w, t)
+    with pytest.raises(ValueError, match="outside"):
+        f(x, w, torch.full_like(t, 32))
+    with pytest.raises(ValueError, match="outside"):
+        f(x, w, t, vocab_size=4)
+    with pytest.raises(ValueError, match="V > 0 and D > 0"):
+        f(x[:, :0], w[:, :0], t)
+    with pytest.raises(ValueError, match="reduction"):
+        f(x, w, t, reduction="avg")
+    t_ok = t.clone()
+    t_ok[0] = -100  # ignore_index is allowed
+    f(x, w, t_ok)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize(
+    "shape", [(4096, 768, 50304, 50257), (1000, 1600, 50304, 50257), (777, 200, 4099, 4001)]
+)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpu_real_sizes(shape, reduction):
+    N, D, V, vocab = shape
+    x, w, t = _make(N, D, V, vocab, torch.bfloat16, "cuda", ignore_frac=0.05, seed=7)
+    x[::7] *= 6  # some peaky rows
+    upstream = (
+        torch.rand(N, device="cuda") if reduction == "none" else torch.tensor(0.5, device="cuda")
+    )
+    _check(x, w, t, vocab, reduction, upstream, factor=1.2, slack=2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_many_chunks_fp32_master(monkeypatch):
+    monkeypatch.setattr(fl, "BUFFER_BYTES", 8 * 2**20)  # several chunks at this size
+    x, w, t = _make(3000, 768, 50304, 50257, torch.float32, "cuda", ignore_frac=0.05, seed=8)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(xs, ws, t, vocab_size=50257)
+    loss.backward()
+    ref = _run(
+        linear_cross_entropy_reference,
+        x.double(),
+        w.double(),
+        t,
+        torch.tensor(1.0, device="cuda"),
+        vocab_size=50257,
+    )
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        tb = _run(
+            linear_cross_entropy_reference,
+            x,
+            w,
+            t,
+            torch.tensor(1.0, device="cuda"),
+            vocab_size=50257,
+        )
+    assert ws.grad.dtype == torch.float32 and (ws.grad[50257:] == 0).all()
+    for o, r, p in zip((loss, xs.grad, ws.grad), ref, tb):
+        assert _rel(o, r) <= 1.2 * _rel(p, r) + 2e-4
