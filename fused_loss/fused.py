@@ -23,23 +23,25 @@ CONFIGS = {
     "cuda16": dict(  # bf16 / fp16
         logits=dict(BN=128, BV=256, BD=64, num_warps=8, num_stages=3),
         dx=dict(BN=128, BD=256, BK=64, num_warps=8, num_stages=3),
-        dw=dict(BVW=128, BD=256, BK=64, num_warps=8, num_stages=3),
+        dw=dict(BVW=256, BD=128, BK=64, num_warps=8, num_stages=3, SCALE_X=True),
     ),
     "cuda32": dict(  # fp32, exact (IEEE) dots: smaller tiles to fit shared memory
         logits=dict(BN=64, BV=128, BD=32, num_warps=4, num_stages=2),
         dx=dict(BN=64, BD=64, BK=32, num_warps=4, num_stages=2),
-        dw=dict(BVW=64, BD=64, BK=32, num_warps=4, num_stages=2),
+        dw=dict(BVW=64, BD=64, BK=32, num_warps=4, num_stages=2, SCALE_X=True),
     ),
     "cpu": dict(
         logits=dict(BN=16, BV=32, BD=16, num_warps=1, num_stages=1),
         dx=dict(BN=16, BD=16, BK=16, num_warps=1, num_stages=1),
-        dw=dict(BVW=16, BD=16, BK=16, num_warps=1, num_stages=1),
+        dw=dict(BVW=16, BD=16, BK=16, num_warps=1, num_stages=1, SCALE_X=True),
     ),
 }
-# Bytes of the (n, V) buffer of E per chunk: 160 MiB is 1664 rows of a 50304 bf16 vocab (rounded
-# down to 1536). Larger chunks mean fewer read-modify-writes of dw, at the price of memory.
+# Bytes of the (n, V) buffer of E per chunk: 160 MiB is 1664 rows of a 50304 bf16 vocab. Larger
+# chunks mean fewer read-modify-writes of dw (8 bytes per weight per chunk) at the price of memory;
+# below MIN_ROWS those dominate, so a huge vocabulary gets a bigger buffer instead.
 BUFFER_BYTES = 160 * 2**20
-CHUNK_MULTIPLE = 256
+MIN_ROWS = 1024
+CHUNK_MULTIPLE = 128
 
 
 def interpreting():
@@ -65,10 +67,10 @@ def _tiles(c):
     return {k: v for k, v in c.items() if k not in ("num_warps", "num_stages")}
 
 
-def chunk_rows(N, Vb, elt_size, multiple=CHUNK_MULTIPLE, buffer_bytes=None):
-    """Rows per chunk: as many as fit in the buffer budget, a multiple of `multiple`, at most N."""
-    budget = BUFFER_BYTES if buffer_bytes is None else buffer_bytes
-    n = budget // (Vb * elt_size) // multiple * multiple
+def chunk_rows(N, Vb, elt_size, multiple=CHUNK_MULTIPLE, min_rows=None):
+    """Rows per chunk: what fits in BUFFER_BYTES (at least min_rows), a multiple of `multiple`."""
+    min_rows = MIN_ROWS if min_rows is None else min_rows
+    n = max(BUFFER_BYTES // (Vb * elt_size), min_rows) // multiple * multiple
     return max(multiple, min(n, triton.cdiv(N, multiple) * multiple))
 
 
@@ -102,15 +104,14 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_d
     Vb = T * BV
     upcast = dev.type != "cuda"
     ieee = x.dtype == torch.float32 and not upcast
-    n = chunk_rows(N, Vb, x.element_size(), multiple=max(lc["BN"], 16))
+    cpu_rows = {} if dev.type == "cuda" else dict(min_rows=16)
+    n = chunk_rows(N, Vb, x.element_size(), multiple=max(lc["BN"], 16), **cpu_rows)
     n_chunks = triton.cdiv(N, n)
     n = min(n, N)
 
     losses = torch.empty(N, device=dev, dtype=torch.float32)
     m = torch.empty((n, T), device=dev, dtype=torch.float32)
     s = torch.empty((n, T), device=dev, dtype=torch.float32)
-    tgt = torch.empty(n, device=dev, dtype=torch.float32)
-    rowscale = torch.empty(n, device=dev, dtype=torch.float32)
     if want_grad:
         dw_dtype = dw_dtype or w.dtype
         buf = torch.empty((n, Vb), device=dev, dtype=x.dtype)
@@ -130,15 +131,16 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_d
         xs, ys = x[c0:c0 + rows], y[c0:c0 + rows]
         grid = (triton.cdiv(rows, lc["BN"]) * T,)
         kernels._logits_kernel[grid](
-            xs, w, ys, buf, m, s, tgt,
+            xs, w, buf, m, s,
             rows, D, V, vocab_size, xs.stride(0), w.stride(0), buf.stride(0), T,
             **_tiles(lc), STORE_E=want_grad, UPCAST=upcast, IEEE=ieee, **_launch_opts(lc),
         )
         gs = g[c0:c0 + rows] if g_per_row else g
-        kernels._lse_kernel[(triton.cdiv(rows, 64),)](
-            m, s, tgt, ys, gs, losses[c0:c0 + rows], rowscale,
-            rows, T, ignore_index, vocab_size,
-            G_PER_ROW=g_per_row, WRITE_F=want_grad, BR=64, BT=64,
+        br = 32 if dev.type == "cuda" else 16
+        kernels._lse_kernel[(triton.cdiv(rows, br),)](
+            m, s, xs, w, ys, gs, buf, losses[c0:c0 + rows],
+            rows, D, T, xs.stride(0), w.stride(0), buf.stride(0), ignore_index, vocab_size,
+            G_PER_ROW=g_per_row, WRITE_F=want_grad, BR=br, BT=64, BDZ=128, BV=BV, UPCAST=upcast,
         )
         if not want_grad:
             continue
@@ -149,7 +151,7 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_d
         k_per_split = triton.cdiv(triton.cdiv(Vk, xc_cfg["BK"]), splits) * xc_cfg["BK"]
         grid = (triton.cdiv(rows, xc_cfg["BN"]), triton.cdiv(D, xc_cfg["BD"]), splits)
         kernels._dx_kernel[grid](
-            buf, m, rowscale, ys, w, acc,
+            buf, m, w, acc,
             rows, D, vocab_size, Vk, T, buf.stride(0), w.stride(0), acc.stride(0), k_per_split,
             **_tiles(xc_cfg), BV=BV, UPCAST=upcast, IEEE=ieee, **_launch_opts(xc_cfg),
         )
@@ -157,7 +159,7 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_d
             dx[c0:c0 + rows].copy_(acc)
         grid = (triton.cdiv(V, wc["BVW"]) * triton.cdiv(D, wc["BD"]),)
         kernels._dw_kernel[grid](
-            buf, m, rowscale, ys, xs, dw, lo,
+            buf, m, xs, dw, lo,
             rows, D, V, T, buf.stride(0), xs.stride(0), dw.stride(0),
             **_tiles(wc), BV=BV, FIRST=i == 0, LAST=i == n_chunks - 1, HAS_LO=has_lo,
             UPCAST=upcast, IEEE=ieee, **_launch_opts(wc),

@@ -10,14 +10,16 @@ g_n is 1/count (mean), 1 (sum) or the upstream gradient ("none"), and 0 for igno
 
 Rows are processed in chunks of n tokens so that only an (n, V) buffer is ever alive:
     _logits_kernel  tile (BN, BV) of z from a K = D loop, fp32 accumulator. Stores the tile max m_t (n, T),
-                    sum_t = sum exp(z - m_t) (n, T), the target logit (fp32) and, when gradients are wanted,
-                    E = exp(z - m_t) in the compute dtype into the buffer (n, T * BV). E is in (0, 1], so bf16
-                    storage has a relative error of 2^-9 whatever the logit's magnitude.
-    _lse_kernel     per row: lse from the (m_t, sum_t) partials, loss, and f_nt = g_n exp(m_t - lse_n)
-                    written over m_t. Then G_nv = E_nv f_{n,t(v)} - g_n [v == y_n] is a multiply-subtract.
-    _dx_kernel      dx rows of the chunk: G @ w, G rebuilt tile by tile in registers from E (never stored),
+                    sum_t = sum exp(z - m_t) (n, T) and, when gradients are wanted, E = exp(z - m_t) in
+                    the compute dtype into the buffer (n, T * BV). E is in (0, 1], so bf16 storage has a
+                    relative error of 2^-9 whatever the logit's magnitude.
+    _lse_kernel     per row: lse from the (m_t, sum_t) partials; the target logit x_n . w_{y_n} (fp32);
+                    the loss; f_nt = g_n exp(m_t - lse_n) written over m_t; and the one-hot folded into E:
+                    the target's tile of E is rescaled to softmax values minus 1 at the target (its f is
+                    then g_n). After this, G_nv = E_nv f_{n,t(v)}: a row scaling per tile.
+    _dx_kernel      dx rows of the chunk: G @ w, G = E * f formed in registers tile by tile (never stored),
                     split over V across programs, fp32 atomics into an (n, D) fp32 scratch.
-    _dw_kernel      dw += G.T @ x_chunk, fp32 accumulator in registers; across chunks the running sum lives in
+    _dw_kernel      dw += E.T @ (f * x_chunk), fp32 accumulator in registers; across chunks the sum lives in
                     the gradient itself: fp32 for fp32 weights, else a (hi, lo) pair of the weight's dtype
                     (hi = round(sum), lo = round(sum - hi)), which holds ~16 significant bits for bf16 at half
                     the memory of an fp32 accumulator. hi is the correctly rounded gradient at the end.
@@ -55,7 +57,7 @@ def _cast(v, dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _logits_kernel(
-    x_ptr, w_ptr, y_ptr, e_ptr, m_ptr, s_ptr, tgt_ptr,
+    x_ptr, w_ptr, e_ptr, m_ptr, s_ptr,
     n_rows, D, V, vocab_size, stride_x, stride_w, stride_e, T,
     BN: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
     STORE_E: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
@@ -91,22 +93,17 @@ def _logits_kernel(
         e_ptrs = e_ptr + rows[:, None].to(tl.int64) * stride_e + cols[None, :]
         tl.store(e_ptrs, _cast(e, e_ptr.dtype.element_ty, UPCAST), mask=row_ok[:, None])
 
-    # The target column lies in exactly one tile of its row: that program writes the fp32 logit.
-    y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
-    hit = (y >= pid_v * BV) & (y < pid_v * BV + BV) & row_ok
-    zy = tl.sum(tl.where(cols[None, :] == y[:, None], acc, 0.0), axis=1)
-    tl.store(tgt_ptr + rows, zy, mask=hit)
-
 
 @triton.jit
 def _lse_kernel(
-    m_ptr, s_ptr, tgt_ptr, y_ptr, g_ptr, loss_ptr, rowscale_ptr,
-    n_rows, T, ignore_index, vocab_size,
+    m_ptr, s_ptr, x_ptr, w_ptr, y_ptr, g_ptr, e_ptr, loss_ptr,
+    n_rows, D, T, stride_x, stride_w, stride_e, ignore_index, vocab_size,
     G_PER_ROW: tl.constexpr, WRITE_F: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
+    BDZ: tl.constexpr, BV: tl.constexpr, UPCAST: tl.constexpr,
 ):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < n_rows
-    # Pass 1: running max and rescaled sum over the T tile partials of each row.
+    # Running max and rescaled sum over the T tile partials of each row.
     mx = tl.full((BR,), -1e30, tl.float32)  # finite: rows past the end must not make inf - inf
     sm = tl.zeros((BR,), tl.float32)
     for t0 in range(0, T, BT):
@@ -119,10 +116,19 @@ def _lse_kernel(
         mx = new_mx
     lse = mx + tl.log(sm)
 
+    # Target logit x_n . w_{y_n}, fp32 accumulation of the same products the matmul forms.
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
-    valid = y != ignore_index
+    valid = (y != ignore_index) & row_ok
     in_range = (y >= 0) & (y < vocab_size)
-    zy = tl.load(tgt_ptr + rows, mask=row_ok & valid & in_range, other=0.0)
+    has_y = valid & in_range
+    y_safe = tl.where(has_y, y, 0).to(tl.int64)
+    zy = tl.zeros((BR,), tl.float32)
+    for d0 in range(0, D, BDZ):
+        ds = d0 + tl.arange(0, BDZ)
+        ok = has_y[:, None] & (ds < D)[None, :]
+        xv = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ds[None, :], mask=ok, other=0.0)
+        wv = tl.load(w_ptr + y_safe[:, None] * stride_w + ds[None, :], mask=ok, other=0.0)
+        zy += tl.sum(xv.to(tl.float32) * wv.to(tl.float32), axis=1)
     loss = tl.where(valid, lse - zy, 0.0)
     loss = tl.where(valid & ~in_range, float("nan"), loss)  # bad target id: poison, never read out of range
     tl.store(loss_ptr + rows, loss, mask=row_ok)
@@ -133,27 +139,31 @@ def _lse_kernel(
         else:
             g = tl.load(g_ptr + rows * 0)  # one scalar (1/count or 1) broadcast to the rows
         g = tl.where(valid, g, 0.0)
-        tl.store(rowscale_ptr + rows, g, mask=row_ok)
-        # Pass 2: f_nt = g_n * exp(m_t - lse_n), in place of m_t.
+        # f_nt = g_n * exp(m_t - lse_n), in place of m_t. The target's tile is the exception: E
+        # there is rescaled to softmax values with 1 subtracted at the target (below), so its
+        # f is g_n. Then G = E * f everywhere, a pure row scaling in the GEMM kernels.
+        ty = y_safe // BV
+        scale_y = tl.zeros((BR,), tl.float32)  # exp(m_t - lse) of the target's tile
         for t0 in range(0, T, BT):
             ts = t0 + tl.arange(0, BT)
             ok = row_ok[:, None] & (ts < T)[None, :]
             m = tl.load(m_ptr + rows[:, None] * T + ts[None, :], mask=ok, other=0.0)
-            f = g[:, None] * tl.exp(m - lse[:, None])
+            r = tl.exp(m - lse[:, None])
+            is_y = (ts[None, :] == ty[:, None]) & has_y[:, None]
+            scale_y += tl.sum(tl.where(is_y, r, 0.0), axis=1)
+            f = g[:, None] * tl.where(is_y, 1.0, r)
             tl.store(m_ptr + rows[:, None] * T + ts[None, :], f, mask=ok)
-
-
-@triton.jit
-def _grad_tile(e, f, rowscale, y, cols):
-    """G for one tile: E * f (row-broadcast) minus g at the target column. fp32."""
-    g = e.to(tl.float32) * f[:, None]
-    return g - tl.where(cols[None, :] == y[:, None], rowscale[:, None], 0.0)
+        cols = ty[:, None] * BV + tl.arange(0, BV)[None, :]
+        e_ptrs = e_ptr + rows[:, None].to(tl.int64) * stride_e + cols
+        p = tl.load(e_ptrs, mask=has_y[:, None], other=0.0).to(tl.float32) * scale_y[:, None]
+        p = p - tl.where(cols == y_safe[:, None], 1.0, 0.0)
+        tl.store(e_ptrs, _cast(p, e_ptr.dtype.element_ty, UPCAST), mask=has_y[:, None])
 
 
 @triton.jit
 def _dx_kernel(
-    e_ptr, f_ptr, rs_ptr, y_ptr, w_ptr, dx_ptr,
-    n_rows, D, vocab_size, Vb, T, stride_e, stride_w, stride_dx, k_per_split,
+    e_ptr, f_ptr, w_ptr, dx_ptr,
+    n_rows, D, vocab_size, Vk, T, stride_e, stride_w, stride_dx, k_per_split,
     BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -165,17 +175,15 @@ def _dx_kernel(
     dcols = pid_d * BD + tl.arange(0, BD)
     row_ok = rows < n_rows
     d_ok = dcols < D
-    y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
-    rs = tl.load(rs_ptr + rows, mask=row_ok, other=0.0)
     k_lo = pid_s * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, Vb)
+    k_hi = tl.minimum(k_lo + k_per_split, Vk)
     acc = tl.zeros((BN, BD), dtype=tl.float32)
     for k in range(k_lo, k_hi, BK):
         ks = k + tl.arange(0, BK)
         e = tl.load(e_ptr + rows[:, None].to(tl.int64) * stride_e + ks[None, :],
                     mask=row_ok[:, None], other=0.0)
         f = tl.load(f_ptr + rows * T + k // BV, mask=row_ok, other=0.0)
-        g = _cast(_grad_tile(e, f, rs, y, ks), w_ptr.dtype.element_ty, UPCAST)
+        g = _cast(e.to(tl.float32) * f[:, None], w_ptr.dtype.element_ty, UPCAST)  # G tile
         # Rows >= vocab_size (padding) are never read: poisoned padding cannot leak into dx.
         w = tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_w + dcols[None, :],
                     mask=(ks < vocab_size)[:, None] & d_ok[None, :], other=0.0)
@@ -186,10 +194,10 @@ def _dx_kernel(
 
 @triton.jit
 def _dw_kernel(
-    e_ptr, f_ptr, rs_ptr, y_ptr, x_ptr, hi_ptr, lo_ptr,
+    e_ptr, f_ptr, x_ptr, hi_ptr, lo_ptr,
     n_rows, D, V, T, stride_e, stride_x, stride_w,
     BVW: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    FIRST: tl.constexpr, LAST: tl.constexpr, HAS_LO: tl.constexpr,
+    FIRST: tl.constexpr, LAST: tl.constexpr, HAS_LO: tl.constexpr, SCALE_X: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     # D blocks vary fastest: programs running together read the same (n, BVW) column block of E.
@@ -206,14 +214,15 @@ def _dw_kernel(
         rows = k + tl.arange(0, BK)
         row_ok = rows < n_rows
         e = tl.load(e_ptr + rows[:, None].to(tl.int64) * stride_e + cols[None, :],
-                    mask=row_ok[:, None], other=0.0)
+                    mask=row_ok[:, None], other=0.0)  # (BK, BVW)
         f = tl.load(f_ptr + rows * T + t, mask=row_ok, other=0.0)
-        rs = tl.load(rs_ptr + rows, mask=row_ok, other=0.0)
-        y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
-        g = _cast(_grad_tile(e, f, rs, y, cols), x_ptr.dtype.element_ty, UPCAST)  # (BK, BVW)
         xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + dcols[None, :],
-                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = _dot(tl.trans(g), xt, acc, UPCAST, IEEE)
+                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BK, BD)
+        if SCALE_X:  # G.T @ x = E.T @ (f * x): E goes to the tensor cores as stored
+            xt = _cast(xt.to(tl.float32) * f[:, None], x_ptr.dtype.element_ty, UPCAST)
+        else:
+            e = _cast(e.to(tl.float32) * f[:, None], x_ptr.dtype.element_ty, UPCAST)
+        acc = _dot(tl.trans(e), xt, acc, UPCAST, IEEE)
 
     ok = (cols < V)[:, None] & d_ok[None, :]
     offs = cols[:, None].to(tl.int64) * stride_w + dcols[None, :]

@@ -101,7 +101,7 @@ def test_many_chunks(monkeypatch):
     V = 96
     Vb = -(-V // cfg["BV"]) * cfg["BV"]
     monkeypatch.setattr(fl, "BUFFER_BYTES", 32 * Vb * 2)
-    assert fl.chunk_rows(150, Vb, 2, multiple=16) == 32
+    assert fl.chunk_rows(150, Vb, 2, multiple=16, min_rows=16) == 32
     for dtype in (torch.float32, torch.bfloat16):
         x, w, t = _make(150, 32, V, 90, dtype, "cpu", ignore_frac=0.1, seed=2)
         _check(x, w, t, 90, "mean", torch.tensor(2.0))

@@ -1,0 +1,254 @@
+"""Linear + cross-entropy, forward+backward: our kernel against torch eager, torch.compile, Liger, CCE.
+
+    python bench/bench_fused_loss.py [--shapes 124M,1558M,256k] [--out DIR] [--variants]
+
+For each shape: x (N, D) ~ N(0, 1) bf16, w (V, D) bf16 with logits of std ~2, targets uniform over
+the vocab with 5 % ignored (-100). Every method gets the same tensors. Reports fwd+bwd and forward
+times (median of CUDA-event timings), peak memory allocated above the inputs during one fwd+bwd
+(grads included; buffers a method keeps between calls are counted because the baseline is taken
+before its first call), and loss/dx/dw errors against an fp32 (no TF32) reference.
+Liger and CCE are optional: if they do not import, their rows say so.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fused_loss.fused as fl  # noqa: E402
+from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
+
+SHAPES = {"124M": (32768, 768, 50304), "1558M": (16384, 1600, 50304), "256k": (8192, 2304, 256000)}
+MiB = 2**20
+
+
+def make_inputs(N, D, V, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(N, D, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(V, D, device="cuda", generator=g) * (2.0 / D**0.5)).bfloat16()
+    t = torch.randint(0, V, (N,), device="cuda", generator=g)
+    t[torch.rand(N, device="cuda", generator=g) < 0.05] = -100
+    return x, w, t
+
+
+def fp32_reference(x, w, t):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    xr = x.float().requires_grad_()
+    wr = w.float().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(xr @ wr.T, t, ignore_index=-100)
+    loss.backward()
+    return loss.detach(), xr.grad, wr.grad
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def methods():
+    out = {
+        "torch eager": linear_cross_entropy_reference,
+        "torch.compile": torch.compile(linear_cross_entropy_reference),
+        "ours": fused_linear_cross_entropy,
+    }
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import (
+            LigerFusedLinearCrossEntropyLoss,
+        )
+
+        liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+        out["liger"] = lambda x, w, t: liger(w, x, t)
+    except Exception as e:  # not installed: report, don't fail
+        out["liger"] = repr(e)
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        out["cce"] = lambda x, w, t: linear_cross_entropy(x, w, t, ignore_index=-100)
+    except Exception as e:
+        out["cce"] = repr(e)
+    return out
+
+
+def timed(fn, reps, warmup=2):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def measure(fn, x, w, t, ref, reps):
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+
+    def fwd_bwd():
+        xg.grad = wg.grad = None
+        fn(xg, wg, t).backward()
+
+    def fwd():
+        with torch.enable_grad():
+            return fn(xg, wg, t)
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    xg.grad = wg.grad = None
+    loss = fn(xg, wg, t)  # first call: compilation, caches
+    loss.backward()
+    errs = dict(err_loss=rel(loss.detach(), ref[0]), err_dx=rel(xg.grad, ref[1]),
+                err_dw=rel(wg.grad, ref[2]))
+    xg.grad = wg.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / MiB
+    res = dict(fwd_bwd_ms=timed(fwd_bwd, reps), fwd_ms=timed(fwd, reps), peak_mib=peak, **errs)
+    xg.grad = wg.grad = None
+    return res
+
+
+def kernel_breakdown(x, w, t, vocab):
+    """CUDA time per kernel name for one fwd+bwd of ours (torch profiler)."""
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    fused_linear_cross_entropy(xg, wg, t, vocab_size=vocab).backward()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        xg.grad = wg.grad = None
+        fused_linear_cross_entropy(xg, wg, t, vocab_size=vocab).backward()
+        torch.cuda.synchronize()
+    rows = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if us > 0:
+            rows[ev.key[:60]] = (us / 1000.0, ev.count)
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1][0])[:12])
+
+
+# Tile/buffer variants of ours, timed at the 124M shape (overrides of CONFIGS["cuda16"]).
+VARIANTS = {
+    "buf96": dict(buffer=96 * MiB, min_rows=512),
+    "buf240": dict(buffer=240 * MiB),
+    "dw_scaleA": dict(dw=dict(BVW=256, BD=128, BK=64, num_warps=8, num_stages=3, SCALE_X=False)),
+    "dw128x256": dict(dw=dict(BVW=128, BD=256, BK=64, num_warps=8, num_stages=3, SCALE_X=True)),
+    "dw_stages4": dict(dw=dict(BVW=256, BD=128, BK=64, num_warps=8, num_stages=4, SCALE_X=True)),
+    "dx64x256": dict(dx=dict(BN=64, BD=256, BK=64, num_warps=4, num_stages=4)),
+    "dx_stages4": dict(dx=dict(BN=128, BD=256, BK=64, num_warps=8, num_stages=4)),
+    "logits128x128": dict(
+        logits=dict(BN=128, BV=128, BD=64, num_warps=8, num_stages=3),
+        dw=dict(BVW=128, BD=256, BK=64, num_warps=8, num_stages=3, SCALE_X=True),
+    ),
+    "logits_stages4": dict(logits=dict(BN=128, BV=256, BD=64, num_warps=8, num_stages=4)),
+}
+
+
+def run_variant(name, x, w, t, ref, reps):
+    v = VARIANTS[name]
+    saved_cfg, saved = dict(fl.CONFIGS["cuda16"]), (fl.BUFFER_BYTES, fl.MIN_ROWS)
+    try:
+        fl.CONFIGS["cuda16"].update({k: v[k] for k in ("logits", "dx", "dw") if k in v})
+        fl.BUFFER_BYTES = v.get("buffer", saved[0])
+        fl.MIN_ROWS = v.get("min_rows", saved[1])
+        return measure(fused_linear_cross_entropy, x, w, t, ref, reps)
+    finally:
+        fl.CONFIGS["cuda16"].clear()
+        fl.CONFIGS["cuda16"].update(saved_cfg)
+        fl.BUFFER_BYTES, fl.MIN_ROWS = saved
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="124M,1558M,256k")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--variants", action="store_true", help="also time tile/buffer variants")
+    args = ap.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    import triton
+
+    info = dict(gpu=props.name, torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d"))
+    print(info, flush=True)
+    results = dict(info=info, rows=[], breakdown={})
+    path = os.path.join(args.out, "bench_fused_loss.json")
+
+    def record(shape, name, res):
+        row = dict(shape=shape, method=name, **res)
+        results["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+    meths = methods()
+    for shape in args.shapes.split(","):
+        N, D, V = SHAPES[shape]
+        x, w, t = make_inputs(N, D, V)
+        ref = fp32_reference(x, w, t)
+        grads_mib = (x.numel() + w.numel()) * 2 / MiB
+        record(shape, "lower bound (grads)", dict(peak_mib=grads_mib))
+        for name, fn in meths.items():
+            if isinstance(fn, str):
+                record(shape, name, dict(error=fn))
+                continue
+            try:
+                record(shape, name, measure(fn, x, w, t, ref, args.reps))
+            except Exception as e:
+                record(shape, name, dict(error=repr(e)[:300]))
+            torch.cuda.empty_cache()
+        if V == 50304:  # the padded GPT-2 vocab with the 47 padded columns masked
+            masked = lambda x, w, t: fused_linear_cross_entropy(x, w, t, vocab_size=50257)  # noqa
+            t_real = t.clamp(max=50256)
+            ref_m = fp32_reference(x, w[:50257], t_real)
+            dw_ref = torch.cat([ref_m[2], ref_m[2].new_zeros(V - 50257, D)])  # padded rows: 0
+            res = measure(masked, x, w, t_real, (ref_m[0], ref_m[1], dw_ref), args.reps)
+            record(shape, "ours (vocab 50257 masked)", res)
+        if args.variants and shape == "124M":
+            for vname in VARIANTS:
+                try:
+                    record(shape, f"ours[{vname}]", run_variant(vname, x, w, t, ref, args.reps))
+                except Exception as e:
+                    record(shape, f"ours[{vname}]", dict(error=repr(e)[:300]))
+                torch.cuda.empty_cache()
+        try:
+            results["breakdown"][shape] = kernel_breakdown(x, w, t, V)
+        except Exception as e:
+            results["breakdown"][shape] = repr(e)[:300]
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+        del x, w, t, ref
+        torch.cuda.empty_cache()
+
+    print("\nper-kernel CUDA ms (one fwd+bwd of ours):")
+    for shape, rows in results["breakdown"].items():
+        print(shape, rows if isinstance(rows, str) else "")
+        if not isinstance(rows, str):
+            for k, (ms, n) in rows.items():
+                print(f"  {ms:8.2f} ms  x{n:<4d} {k}")
+    print("\n| shape | method | fwd+bwd ms | fwd ms | peak MiB | err loss | err dx | err dw |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results["rows"]:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['method']} | error: {r['error'][:80]} |")
+            continue
+
+        def f(k, fmt):
+            return format(r[k], fmt) if k in r else ""
+
+        print(f"| {r['shape']} | {r['method']} | {f('fwd_bwd_ms', '.2f')} | {f('fwd_ms', '.2f')} | "
+              f"{f('peak_mib', '.0f')} | {f('err_loss', '.1e')} | {f('err_dx', '.1e')} | "
+              f"{f('err_dw', '.1e')} |")
+
+
+if __name__ == "__main__":
+    main()
