@@ -1,0 +1,599 @@
+"""Tests for data/: tokenizer, shard format, prepare pipeline, loader, embedded dataset.
+
+References are built independently of the code under test: shard bytes with struct, loader windows
+with plain numpy slicing, token ids from values published for GPT-2 and from the HF `tokenizers`
+BPE implementation (hard-coded below, and re-checked live when `tokenizers` is installed).
+"""
+
+import gzip
+import json
+import lzma
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import data.embedded
+import data.prepare
+import data.shards
+import data.tokenizer
+from data import resolve_dataset
+from data.loader import DataLoader, iter_val_batches
+from data.prepare import iter_file_docs, iter_jsonl_docs, iter_text_docs, prepare
+from data.shards import ShardError, read_header, read_shard, write_shard
+from data.tokenizer import EOT, check_bpe_files, get_tokenizer
+
+FIXTURES = Path(__file__).parent / "fixtures"
+WIKI = FIXTURES / "wiki_sample.txt"
+STORIES = FIXTURES / "stories_sample.txt"
+JSONL = FIXTURES / "docs_sample.jsonl"
+
+# Mixed ASCII / accents / CJK / emoji / whitespace runs / a literal special token / contractions.
+TRICKY = (
+    "Hello world! It's 2024: naïve café, 東京, emoji 🙂\n\n  tabs\tand   spaces?\r\n"
+    "<|endoftext|> don't they'll"
+)
+# Ids from HF `tokenizers` (Rust BPE + ByteLevel pre-tokenizer) on the same encoder.json/vocab.bpe.
+TRICKY_IDS = [
+    15496, 995, 0, 632, 338, 48609, 25, 41492, 40304, 11, 10545, 251, 109, 12859, 105, 11, 44805,
+    32485, 628, 220, 22524, 197, 392, 220, 220, 9029, 30, 201, 198, 27, 91, 437, 1659, 5239, 91, 29,
+    836, 470, 484, 1183,
+]  # fmt: skip
+
+
+def enc_doc(text):
+    """Reference tokenisation of one document as the shards store it."""
+    return [EOT] + get_tokenizer().encode_ordinary(text)
+
+
+def shard_bytes(tokens, magic=20240520, version=1, count=None):
+    """An llm.c shard built by hand: 256 little-endian int32 then uint16 tokens."""
+    header = [magic, version, len(tokens) if count is None else count] + [0] * 253
+    return struct.pack("<256i", *header) + struct.pack(f"<{len(tokens)}H", *tokens)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_known_ids():
+    enc = get_tokenizer()
+    assert enc.n_vocab == 50257 and enc.eot_token == EOT == 50256
+    assert enc.encode("Hello world") == [15496, 995]
+    assert enc.encode_ordinary(" the") == [262] and enc.encode_ordinary("!") == [0]
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [50256]
+    assert enc.encode_ordinary(TRICKY) == TRICKY_IDS
+    assert enc.decode(TRICKY_IDS) == TRICKY
+    assert get_tokenizer() is enc  # built once per process
+
+
+def test_tokenizer_matches_hf_tokenizers_on_fixtures():
+    tokenizers = pytest.importorskip("tokenizers")
+    bpe = data.tokenizer.BPE_DIR
+    hf = tokenizers.Tokenizer(
+        tokenizers.models.BPE.from_file(str(bpe / "encoder.json"), str(bpe / "vocab.bpe"))
+    )
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    enc = get_tokenizer()
+    for path in (WIKI, STORIES, JSONL):
+        text = path.read_text(encoding="utf-8")
+        ids = enc.encode_ordinary(text)
+        assert ids == hf.encode(text).ids
+        assert enc.decode(ids) == text
+
+
+def test_bpe_files_checked(tmp_path):
+    check_bpe_files()
+    for name in ("encoder.json", "vocab.bpe"):
+        shutil.copy(data.tokenizer.BPE_DIR / name, tmp_path / name)
+    check_bpe_files(tmp_path)
+    raw = bytearray((tmp_path / "vocab.bpe").read_bytes())
+    raw[100] ^= 1
+    (tmp_path / "vocab.bpe").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="vocab.bpe.*sha256"):
+        check_bpe_files(tmp_path)
+    (tmp_path / "encoder.json").unlink()
+    with pytest.raises(FileNotFoundError, match="encoder.json"):
+        check_bpe_files(tmp_path)
+
+
+# ---------------------------------------------------------------- shards
+
+
+def test_shard_write_matches_hand_built_bytes(tmp_path):
+    tokens = [EOT, 0, 1, 65, 50255, EOT, 42]
+    write_shard(tmp_path / "a.bin", np.array(tokens))
+    assert (tmp_path / "a.bin").read_bytes() == shard_bytes(tokens)
+    (tmp_path / "b.bin").write_bytes(shard_bytes(tokens))
+    out = read_shard(tmp_path / "b.bin")
+    assert out.dtype == np.uint16 and out.tolist() == tokens
+    assert read_header(tmp_path / "b.bin") == len(tokens)
+    write_shard(tmp_path / "empty.bin", np.array([], dtype=np.int64))
+    assert read_shard(tmp_path / "empty.bin").size == 0
+
+
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (shard_bytes([1, 2, 3], magic=20240521), "bad magic 20240521"),
+        (shard_bytes([1, 2, 3], version=2), "unsupported version 2"),
+        (shard_bytes([1, 2, 3])[:-2], "truncated or corrupt"),
+        (shard_bytes([1, 2, 3]) + b"\0\0", "truncated or corrupt"),
+        (shard_bytes([1, 2, 3], count=-1), "truncated or corrupt"),
+        (shard_bytes([])[:1000], "too small for the 1024-byte header"),
+        (shard_bytes([EOT, 5, 50257, 7]), "token id 50257 at position 2"),
+        (shard_bytes([EOT, 65535]), "token id 65535 at position 1"),
+    ],
+)
+def test_shard_corruption_errors_name_the_file(tmp_path, raw, match):
+    path = tmp_path / "bad_shard_000001.bin"
+    path.write_bytes(raw)
+    with pytest.raises(ShardError, match=match) as err:
+        read_shard(path)
+    assert str(path) in str(err.value)
+
+
+def test_shard_missing_and_bad_input(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.bin"):
+        read_shard(tmp_path / "nope.bin")
+    with pytest.raises(ValueError, match=r"\[0, 50257\)"):
+        write_shard(tmp_path / "x.bin", np.array([1, 50257]))
+    with pytest.raises(ValueError, match=r"\[0, 50257\)"):
+        write_shard(tmp_path / "x.bin", np.array([-1, 3]))
+    with pytest.raises(ValueError, match="1-D"):
+        write_shard(tmp_path / "x.bin", np.zeros((2, 2), dtype=np.int64))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shard_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "s_train_000001.bin"
+    write_shard(path, np.array([EOT, 1, 2]))
+
+    def crash(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data.shards.os, "fsync", crash)
+    with pytest.raises(KeyboardInterrupt):
+        write_shard(path, np.arange(1000))
+    assert read_shard(path).tolist() == [EOT, 1, 2]  # old shard untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temp file left
+    with pytest.raises(KeyboardInterrupt):
+        write_shard(tmp_path / "new.bin", np.arange(10))
+    assert not (tmp_path / "new.bin").exists()
+
+
+# ---------------------------------------------------------------- document readers
+
+WIKI_DOCS = [
+    "Lighthouse\n\nA lighthouse is a tower",
+    "Sourdough\n\nSourdough bread rises",
+    "Prime number\n\nA prime number is",
+]
+STORY_STARTS = ["Mia had a red kite.", "Tom found a small", "The old cat slept"]
+JSONL_STARTS = ["Glaciers move", "A violin has four", "Honeybees tell"]
+
+
+def starts(docs, prefixes):
+    return len(docs) == len(prefixes) and all(
+        d.startswith(p) for d, p in zip(docs, prefixes, strict=True)
+    )
+
+
+def test_text_formats(tmp_path):
+    wiki = list(iter_text_docs(WIKI))
+    assert starts(wiki, WIKI_DOCS)  # title line kept once, the title-only stub dropped
+    assert wiki[0].endswith("some have become museums.") and "</doc>" not in "".join(wiki)
+    stories = list(iter_text_docs(STORIES))
+    assert starts(stories, STORY_STARTS)  # the empty story between two separators is dropped
+    assert stories[0].endswith("Mia laughed all the way home.")
+    assert starts(list(iter_jsonl_docs(JSONL)), JSONL_STARTS)  # empty / blank texts skipped
+    single = tmp_path / "one.txt"
+    single.write_text("\n\nJust one document.\nTwo lines.\n")
+    assert list(iter_text_docs(single)) == ["Just one document.\nTwo lines."]
+
+
+def test_compressed_inputs_read_transparently(tmp_path):
+    for src, opener, suffix in ((WIKI, lzma.open, ".xz"), (JSONL, gzip.open, ".gz")):
+        dst = tmp_path / (src.name + suffix)
+        with opener(dst, "wb") as f:
+            f.write(src.read_bytes())
+        assert list(iter_file_docs([dst], "auto")) == list(iter_file_docs([src], "auto"))
+
+
+def test_malformed_inputs(tmp_path):
+    bad = tmp_path / "cut.txt"
+    bad.write_text(WIKI.read_text().rsplit("</doc>", 1)[0])
+    with pytest.raises(ValueError, match="cut.txt.*inside a <doc>"):
+        list(iter_text_docs(bad))
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"text": "fine"}\n{"text": oops}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        list(iter_jsonl_docs(bad_json))
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        list(iter_file_docs([tmp_path / "missing.txt"], "text"))
+
+
+# ---------------------------------------------------------------- prepare pipeline
+
+
+def read_dir(out_dir):
+    """(name, tokens) of every .bin in out_dir, in name order after sorting by shard index."""
+    files = sorted(Path(out_dir).glob("*.bin"), key=lambda p: p.stem.rsplit("_", 1)[1])
+    return [(p.name, read_shard(p).tolist()) for p in files]
+
+
+def test_prepare_separate_val_packs_shards(tmp_path):
+    val_docs = list(iter_text_docs(STORIES))
+    train_docs = list(iter_text_docs(WIKI)) + list(iter_jsonl_docs(JSONL))
+    val_ref = [t for d in val_docs for t in enc_doc(d)]
+    train_ref = [t for d in train_docs for t in enc_doc(d)]
+    paths = prepare(train_docs, tmp_path, "ts", val_docs=val_docs, shard_size=64, workers=1)
+    shards = read_dir(tmp_path)
+    assert [p.name for p in paths] == [name for name, _ in shards]
+    val = [s for s in shards if "_val_" in s[0]]
+    train = [s for s in shards if "_train_" in s[0]]
+    assert [name for name, _ in shards[: len(val)]] == [name for name, _ in val]  # val first
+    assert [name for name, _ in shards] == [
+        f"ts_{'val' if i < len(val) else 'train'}_{i:06d}.bin" for i in range(len(shards))
+    ]
+    assert sum((t for _, t in val), []) == val_ref
+    assert sum((t for _, t in train), []) == train_ref
+    assert all(len(t) == 64 for _, t in val[:-1] + train[:-1])  # only each split's last is short
+    assert train[0][1][0] == EOT
+
+
+def test_prepare_val_from_head_and_pool(tmp_path):
+    docs = list(iter_text_docs(WIKI)) + list(iter_text_docs(STORIES))
+    lengths = [len(enc_doc(d)) for d in docs]
+    val_tokens = lengths[0] + 1  # needs two whole documents
+    prepare(docs, tmp_path / "a", "x", val_tokens=val_tokens, shard_size=50, workers=1)
+    prepare(docs, tmp_path / "b", "x", val_tokens=val_tokens, shard_size=50, workers=2)
+    a, b = read_dir(tmp_path / "a"), read_dir(tmp_path / "b")
+    assert a == b  # the process pool changes nothing
+    val = sum((t for n, t in a if "_val_" in n), [])
+    assert val == enc_doc(docs[0]) + enc_doc(docs[1])
+    assert sum((t for n, t in a if "_train_" in n), []) == [t for d in docs[2:] for t in enc_doc(d)]
+    prepare(docs, tmp_path / "c", "x", val_tokens=lengths[0], shard_size=50, workers=1)
+    assert sum((t for n, t in read_dir(tmp_path / "c") if "_val_" in n), []) == enc_doc(docs[0])
+
+
+def test_prepare_errors(tmp_path):
+    docs = list(iter_text_docs(WIKI))
+    with pytest.raises(ValueError, match="no training documents"):
+        prepare(docs, tmp_path / "a", "x", val_tokens=10**6, workers=1)
+    with pytest.raises(ValueError, match="validation documents are empty"):
+        prepare(docs, tmp_path / "b", "x", val_docs=[], workers=1)
+    prepare(docs, tmp_path / "c", "x", val_tokens=5, shard_size=100, workers=1)
+    with pytest.raises(ValueError, match="other settings"):
+        prepare(docs, tmp_path / "c", "x", val_tokens=5, shard_size=99, workers=1)
+
+
+class Crash(Exception):
+    pass
+
+
+def crashing(docs, after):
+    """Yield `after` documents, then fail like an interrupted run."""
+    for i, d in enumerate(docs):
+        if i == after:
+            raise Crash
+        yield d
+
+
+def count_tokenize_calls(monkeypatch):
+    calls = []
+    real = data.prepare.tokenize
+
+    def counting(text):
+        calls.append(text)
+        return real(text)
+
+    monkeypatch.setattr(data.prepare, "tokenize", counting)
+    return calls
+
+
+def test_prepare_resumes_after_interruption(tmp_path, monkeypatch):
+    docs = (list(iter_text_docs(WIKI)) + list(iter_text_docs(STORIES))) * 3
+    kw = dict(val_tokens=60, shard_size=37, workers=1, settings={"input": "fixture"})
+    prepare(docs, tmp_path / "ref", "r", **kw)
+    reference = read_dir(tmp_path / "ref")
+
+    out = tmp_path / "run"
+    with pytest.raises(Crash):
+        prepare(crashing(docs, 11), out, "r", **kw)
+    partial = read_dir(out)
+    assert 0 < len(partial) < len(reference)
+    assert partial == reference[: len(partial)]  # every shard under a final name is complete
+    state = json.loads((out / "r_prepare.json").read_text())
+    assert not state["complete"] and len(state["shards"]) == len(partial)
+    assert not [p for p in out.iterdir() if ".tmp" in p.name]
+
+    calls = count_tokenize_calls(monkeypatch)
+    prepare(iter(docs), out, "r", **kw)
+    assert read_dir(out) == reference
+    resumed_at = state["shards"][-1]["next_doc"]
+    assert calls == docs[resumed_at:]  # finished documents are skipped, not re-tokenised
+
+    calls.clear()
+    prepare(iter(docs), out, "r", **kw)  # complete: nothing is read or written
+    assert calls == [] and read_dir(out) == reference
+
+
+def test_prepare_interrupted_shard_write_and_damaged_shard(tmp_path, monkeypatch):
+    docs = list(iter_text_docs(WIKI)) * 4
+    kw = dict(val_tokens=40, shard_size=33, workers=1)
+    prepare(docs, tmp_path / "ref", "r", **kw)
+    reference = read_dir(tmp_path / "ref")
+
+    real_write, n = data.prepare.write_shard, []
+
+    def write_then_die(path, tokens):
+        n.append(path)
+        if len(n) == 4:  # die inside the 4th shard write, after its bytes hit the temp file
+            monkeypatch.setattr(data.shards.os, "fsync", lambda fd: (_ for _ in ()).throw(Crash))
+        real_write(path, tokens)
+
+    monkeypatch.setattr(data.prepare, "write_shard", write_then_die)
+    out = tmp_path / "run"
+    with pytest.raises(Crash):
+        prepare(docs, out, "r", **kw)
+    monkeypatch.undo()
+    assert not n[3].exists() and len(read_dir(out)) == 3
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [name for name, _ in reference[:3]] + ["r_prepare.json"]
+    )
+    shard1 = out / reference[1][0]
+    shard1.write_bytes(shard1.read_bytes()[:-2])  # damage a finished shard: it and later are redone
+    prepare(docs, out, "r", **kw)
+    assert read_dir(out) == reference
+
+
+def test_prepare_cli_fineweb_and_tinystories(tmp_path, capsys):
+    from data import fineweb, tinystories
+
+    wiki_xz = tmp_path / "wiki.txt.xz"
+    with lzma.open(wiki_xz, "wb") as f:
+        f.write(WIKI.read_bytes())
+    args = ["--from-text", str(wiki_xz), "--val-from", str(JSONL), "--no-progress"]
+    fineweb.main(args + ["--out-dir", str(tmp_path / "fw"), "--shard-size", "40", "--workers", "1"])
+    shards = read_dir(tmp_path / "fw")
+    assert shards[0][0] == "local_val_000000.bin"
+    assert sum((t for n, t in shards if "_val_" in n), []) == [
+        t for d in iter_jsonl_docs(JSONL) for t in enc_doc(d)
+    ]
+    assert sum((t for n, t in shards if "_train_" in n), []) == [
+        t for d in iter_text_docs(WIKI) for t in enc_doc(d)
+    ]
+    fineweb.main(args + ["--out-dir", str(tmp_path / "fw"), "--shard-size", "40", "--workers", "1"])
+    assert "already prepared" in capsys.readouterr().out
+
+    tinystories.main(
+        ["--from-text", str(STORIES), "--val-tokens", "5", "--out-dir", str(tmp_path / "ts")]
+        + ["--workers", "1", "--no-progress"]
+    )
+    stories = list(iter_text_docs(STORIES))
+    assert read_dir(tmp_path / "ts") == [
+        ("tinystories_val_000000.bin", enc_doc(stories[0])),
+        ("tinystories_train_000001.bin", enc_doc(stories[1]) + enc_doc(stories[2])),
+    ]
+    with pytest.raises(SystemExit, match="not found"):
+        fineweb.main(["--from-jsonl", str(tmp_path / "nope.jsonl"), "--out-dir", str(tmp_path)])
+
+
+# ---------------------------------------------------------------- loader
+
+
+def make_shards(tmp_path, sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    arrays = [rng.integers(0, 50257, n, dtype=np.int64) for n in sizes]
+    for i, a in enumerate(arrays):
+        write_shard(tmp_path / f"t_train_{i + 1:06d}.bin", a)
+    return str(tmp_path / "t_train_*.bin"), arrays
+
+
+def reference_windows(arrays, B, T, W, rank, steps):
+    """llm.c order by direct slicing: (x, y, epoch) for `steps` steps of one rank."""
+    out, epoch = [], 0
+    while len(out) < steps:
+        for a in arrays:
+            pos = 0
+            while pos + B * T * W + 1 <= len(a) and len(out) < steps:
+                w = a[pos + rank * B * T : pos + rank * B * T + B * T + 1]
+                out.append((w[:-1].reshape(B, T), w[1:].reshape(B, T), epoch))
+                pos += B * T * W
+        epoch += 1
+    return out
+
+
+@pytest.mark.parametrize("B, T, W", [(2, 16, 1), (3, 8, 2), (1, 32, 3), (4, 5, 4)])
+def test_loader_matches_numpy_reference(tmp_path, B, T, W):
+    step = B * T * W  # a shard of exactly k steps + 1 token holds k steps, of k steps only k - 1
+    pattern, arrays = make_shards(tmp_path, [1000, 401, 5 * step + 1, 777, 5 * step])
+    steps = 0
+    for a in arrays:
+        steps += (len(a) - 1) // (B * T * W)
+    steps = 2 * steps + 3  # two full epochs and a bit: wraps to the first shard twice
+    for rank in range(W):
+        loader = DataLoader(pattern, B, T, rank=rank, world_size=W)
+        for x_ref, y_ref, epoch in reference_windows(arrays, B, T, W, rank, steps):
+            x, y = loader.next_batch()
+            assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (B, T)
+            assert np.array_equal(x.numpy(), x_ref) and np.array_equal(y.numpy(), y_ref)
+            assert loader.epoch == epoch
+        assert loader.epoch == 2
+        loader.reset()
+        x, _ = loader.next_batch()
+        assert loader.epoch == 0 and np.array_equal(
+            x.numpy(), reference_windows(arrays, B, T, W, rank, 1)[0][0]
+        )
+
+
+def test_loader_ranks_read_disjoint_contiguous_blocks(tmp_path):
+    pattern, arrays = make_shards(tmp_path, [5000])
+    B, T, W = 2, 10, 3
+    loaders = [DataLoader(pattern, B, T, rank=r, world_size=W) for r in range(W)]
+    for step in range(3):
+        block = torch.cat([ld.next_batch()[0].reshape(-1) for ld in loaders])
+        start = step * B * T * W
+        assert np.array_equal(block.numpy(), arrays[0][start : start + B * T * W])
+
+
+def test_loader_resumes_exactly(tmp_path):
+    pattern, _ = make_shards(tmp_path, [600, 300, 450])
+    B, T, W = 2, 12, 2
+    for rank in range(W):
+        for k in (0, 5, 11, 17, 26, 27, 30):  # 27 steps per epoch: around shard changes and wraps
+            a = DataLoader(pattern, B, T, rank=rank, world_size=W)
+            for _ in range(k):
+                a.next_batch()
+            ckpt = tmp_path / "ckpt.pt"
+            torch.save({"loader": a.state_dict()}, ckpt)
+            expected = [a.next_batch() for _ in range(25)]
+            state = torch.load(ckpt, weights_only=True)["loader"]
+            assert all(isinstance(v, (int, str)) for v in state.values())
+            b = DataLoader(pattern, B, T, rank=rank, world_size=W)
+            b.next_batch()  # a fresh loader that already moved: state must override it
+            b.load_state_dict(state)
+            for (x1, y1), (x2, y2) in zip(
+                expected, (b.next_batch() for _ in range(25)), strict=True
+            ):
+                assert torch.equal(x1, x2) and torch.equal(y1, y2)
+            assert a.epoch == b.epoch == (k + 25) // 27 and a.state_dict() == b.state_dict()
+
+
+def test_loader_errors(tmp_path):
+    pattern, _ = make_shards(tmp_path, [500, 60])
+    with pytest.raises(
+        ValueError, match=r"t_train_000002.bin: 60 tokens is too small.*2\*16\*2\+1"
+    ):
+        DataLoader(pattern, 2, 16, rank=0, world_size=2)
+    with pytest.raises(FileNotFoundError, match="no shard files match"):
+        DataLoader(str(tmp_path / "nothing_*.bin"), 2, 4)
+    with pytest.raises(ValueError, match="rank"):
+        DataLoader(pattern, 2, 4, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="B must be a positive int"):
+        DataLoader(pattern, 0, 4)
+    loader = DataLoader(pattern, 2, 4)
+    state = loader.state_dict()
+    other = tmp_path / "other"
+    other.mkdir()
+    make_shards(other, [500, 60])
+    (other / "t_train_000001.bin").rename(other / "u_train_000001.bin")
+    moved = DataLoader(sorted(str(p) for p in other.glob("*.bin")), 2, 4)
+    with pytest.raises(ValueError, match="was taken in shard t_train_000001.bin"):
+        moved.load_state_dict(state)
+    # a corrupt shard is reported when the loader opens it
+    (tmp_path / "t_train_000002.bin").write_bytes(shard_bytes([EOT] * 59 + [60000]))
+    loader = DataLoader(pattern, 2, 4)
+    with pytest.raises(ShardError, match="t_train_000002.bin: token id 60000"):
+        for _ in range(100):
+            loader.next_batch()
+
+
+def test_val_budget_split_across_ranks(tmp_path):
+    rng = np.random.default_rng(1)
+    val = rng.integers(0, 50257, 1000, dtype=np.int64)
+    write_shard(tmp_path / "v_val_000000.bin", val)
+    pattern = str(tmp_path / "v_val_*.bin")
+    B, T, W = 2, 8, 3  # 48 tokens per step
+    for max_tokens, steps in ((200, 4), (10_485_760, 20), (48, 1)):  # clipped to 999 // 48 = 20
+        per_rank = [list(iter_val_batches(pattern, B, T, r, W, max_tokens)) for r in range(W)]
+        assert all(len(batches) == steps for batches in per_rank)
+        got = [per_rank[r][s][0] for s in range(steps) for r in range(W)]
+        assert np.array_equal(torch.cat([x.reshape(-1) for x in got]).numpy(), val[: steps * 48])
+        for r in range(W):
+            for s, (_, y) in enumerate(per_rank[r]):
+                start = s * 48 + r * 16
+                assert np.array_equal(y.reshape(-1).numpy(), val[start + 1 : start + 17])
+    first, again = (list(iter_val_batches(pattern, B, T, 1, W, 200)) for _ in range(2))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again, strict=True))
+    with pytest.raises(ValueError, match="too small for one step"):
+        list(iter_val_batches(pattern, 10, 100, 0, 1))
+    with pytest.raises(ValueError, match="too small for one step"):
+        list(iter_val_batches(pattern, B, T, 0, W, max_tokens=47))
+
+
+def test_val_spans_several_shards(tmp_path):
+    rng = np.random.default_rng(2)
+    a, b = rng.integers(0, 50257, 100), rng.integers(0, 50257, 70)
+    write_shard(tmp_path / "v_val_000000.bin", a)
+    write_shard(tmp_path / "v_val_000001.bin", b)
+    xs = [x.reshape(-1).numpy() for x, _ in iter_val_batches(str(tmp_path / "*.bin"), 1, 30)]
+    # 99 // 30 = 3 steps in the first shard, 69 // 30 = 2 in the second
+    assert len(xs) == 5
+    assert np.array_equal(np.concatenate(xs), np.concatenate([a[:90], b[:60]]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_loader_cuda_matches_cpu(tmp_path):
+    pattern, _ = make_shards(tmp_path, [5000, 3000])
+    cpu = DataLoader(pattern, 4, 64, rank=1, world_size=2)
+    gpu = DataLoader(pattern, 4, 64, rank=1, world_size=2, device="cuda")
+    batches = [gpu.next_batch() for _ in range(40)]  # held while later copies reuse pinned buffers
+    for xg, yg in batches:
+        x, y = cpu.next_batch()
+        assert xg.is_cuda and xg.dtype == torch.int64
+        assert torch.equal(xg.cpu(), x) and torch.equal(yg.cpu(), y)
+    val = list(iter_val_batches(pattern, 4, 64, 0, 2, 4096, device="cuda"))
+    ref = list(iter_val_batches(pattern, 4, 64, 0, 2, 4096))
+    assert len(val) == len(ref) and all(
+        torch.equal(g[0].cpu(), c[0]) for g, c in zip(val, ref, strict=True)
+    )
+
+
+# ---------------------------------------------------------------- datasets
+
+
+def test_embedded_dataset(tmp_path, monkeypatch):
+    monkeypatch.setattr(data.embedded, "CACHE_DIR", tmp_path)
+    train, val = resolve_dataset("embedded")
+    folder = data.embedded.embedded_dir()
+    assert folder.parent == tmp_path and Path(train).parent == folder
+    assert not [p for p in tmp_path.iterdir() if p != folder]  # no temp folder left
+    assert read_header(folder / "embedded_train_000001.bin") == 1_804_880  # data/embedded/README
+    assert read_header(folder / "embedded_val_000000.bin") == 151_001
+    tokens = read_shard(folder / "embedded_train_000001.bin")
+    assert tokens[0] == EOT
+    assert get_tokenizer().decode(tokens[1:50].tolist()).startswith("Anarchism\n\n")
+    loader = DataLoader(train, 4, 64)
+    for _ in range(3):
+        x, y = loader.next_batch()
+        assert x.shape == (4, 64) and int(x.max()) < 50257 and torch.equal(x[:, 1:], y[:, :-1])
+    assert len(list(iter_val_batches(val, 4, 64, max_tokens=4096))) == 16
+
+    def no_prepare(*a, **k):
+        raise AssertionError("prepared twice")
+
+    monkeypatch.setattr(data.embedded, "prepare", no_prepare)
+    assert resolve_dataset("embedded") == (train, val)
+
+
+def test_embedded_concurrent_prepare_loses_rename_race(tmp_path, monkeypatch):
+    monkeypatch.setattr(data.embedded, "CACHE_DIR", tmp_path)
+    final = data.embedded.embedded_dir()
+    real_prepare = data.embedded.prepare
+
+    def other_process_wins(docs, out_dir, name, **kw):
+        paths = real_prepare(docs, out_dir, name, **kw)
+        shutil.copytree(out_dir, final)  # another rank finished first
+        return paths
+
+    monkeypatch.setattr(data.embedded, "prepare", other_process_wins)
+    assert data.embedded.prepare_embedded() == final
+    assert [p.name for p in tmp_path.iterdir()] == [final.name]
+
+
+def test_resolve_dataset_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither 'embedded' nor a folder"):
+        resolve_dataset(str(tmp_path / "nope"))
+    write_shard(tmp_path / "d_train_000001.bin", np.array([EOT, 1]))
+    with pytest.raises(FileNotFoundError, match="no val shards"):
+        resolve_dataset(str(tmp_path))
+    write_shard(tmp_path / "d_val_000000.bin", np.array([EOT, 2]))
+    train, val = resolve_dataset(tmp_path)
+    assert Path(train).name == "*_train_*.bin" and Path(val).name == "*_val_*.bin"
+    assert os.path.samefile(Path(train).parent, tmp_path)
