@@ -1,0 +1,114 @@
+"""Sample text from a trained checkpoint, or from GPT-2 itself imported from a local HF directory.
+
+    python sample.py --ckpt out/                      # newest ckpt_*.pt in out/
+    python sample.py --ckpt out/ckpt_0005000.pt --prompt "The meaning of life is" --top-p 0.95
+    python sample.py --hf-dir ~/gpt2 --prompt-file prompt.txt --num-samples 3
+
+With no prompt, samples start from <|endoftext|>, as GPT-2's unconditional samples do.
+Generation uses a KV cache; past block_size the context is cropped to the last block_size
+tokens (see GPT.generate). The same --seed on the same device gives the same text.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from model import GPT, pick_device
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name, device):
+    """dtype name -> torch dtype; auto is bfloat16 on a GPU that supports it, else float32."""
+    if name == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    return _DTYPES[name]
+
+
+def load_model(ckpt=None, hf_dir=None, device="cpu", dtype=torch.float32):
+    """Our checkpoint (file or out_dir) or an HF GPT-2 directory -> eval-mode GPT on device."""
+    if (ckpt is None) == (hf_dir is None):
+        raise ValueError("give exactly one of ckpt or hf_dir")
+    if ckpt is not None:
+        model, _ = GPT.from_checkpoint(ckpt, map_location="cpu")
+    else:
+        model = GPT.from_hf(hf_dir)
+    # Whole-model cast, not autocast: decoding is latency-bound and the cast weights halve traffic.
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest ckpt_*.pt)")
+    src.add_argument("--hf-dir", help="local HF GPT-2 directory (config.json + weights)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="text to continue (default: <|endoftext|>)")
+    prompt.add_argument("--prompt-file", help="file whose text (UTF-8) to continue")
+    p.add_argument("--num-samples", type=int, default=5)
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=200, help="0 = off")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, e.g. 0.95")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES])
+    args = p.parse_args(argv)
+    if args.num_samples < 1:
+        p.error(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.max_new_tokens < 0:
+        p.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        p.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        p.error(f"--top-k must be >= 0, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.prompt_file is not None and not Path(args.prompt_file).is_file():
+        p.error(f"--prompt-file {args.prompt_file} does not exist")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from data.tokenizer import EOT, get_tokenizer
+
+    device = pick_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model = load_model(args.ckpt, args.hf_dir, device, dtype)
+    enc = get_tokenizer()
+
+    text = args.prompt
+    if args.prompt_file is not None:
+        text = Path(args.prompt_file).read_text(encoding="utf-8")
+    ids = enc.encode(text, allowed_special={"<|endoftext|>"}) if text else []
+    start = 0 if ids else 1  # an <|endoftext|> we put there ourselves is not printed
+    ids = ids or [EOT]
+    if max(ids) >= model.config.vocab_size:
+        raise SystemExit(
+            f"prompt token id {max(ids)} >= the model's vocab_size={model.config.vocab_size}"
+        )
+
+    torch.manual_seed(args.seed)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
+    out = model.generate(
+        idx,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        top_p=args.top_p,
+        generator=generator,
+    )
+    for row in out.tolist():
+        print(enc.decode(row[start:]))
+        print("-" * 40)
+    sys.stdout.flush()
+    return out
+
+
+if __name__ == "__main__":
+    main()

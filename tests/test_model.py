@@ -1,0 +1,438 @@
+"""model.py: sizes, init, padded vocab, loss, errors, generation, checkpoints, HF interop."""
+
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, GPTConfig, _read_safetensors, _sample_next, _write_safetensors, pick_device
+
+FIXTURES = Path(__file__).parent / "fixtures"
+HF_TINY = FIXTURES / "hf_gpt2_tiny"
+V, VP = 50257, 50304
+
+
+def tiny(seed=0, **kw):
+    # loss_impl "torch": on CPU the conftest runs fused_loss in the (slow) Triton interpreter;
+    # the tests that want the fused path ask for it with a small vocab.
+    torch.manual_seed(seed)
+    cfg = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=V, padded_vocab_size=VP)
+    return GPT(GPTConfig(**{**cfg, "loss_impl": "torch", **kw}))
+
+
+def gpt2_param_count(L, D, vocab=V, T=1024):
+    """Closed form: wte + wpe + L * (attn 4D^2+4D, mlp 8D^2+5D, two LayerNorms 4D) + ln_f."""
+    return vocab * D + T * D + L * (12 * D * D + 13 * D) + 2 * D
+
+
+# ---------------------------------------------------------------- sizes and init
+
+
+@pytest.mark.parametrize(
+    "name,alias,millions",
+    [("gpt2", "124M", 124.44), ("gpt2-medium", "350M", 354.82), ("gpt2-large", "774M", 774.03),
+     ("gpt2-xl", "1558M", 1557.61)],
+)  # fmt: skip
+def test_param_counts_match_gpt2(name, alias, millions):
+    assert GPTConfig.from_preset(alias) == GPTConfig.from_preset(name)
+    cfg = GPTConfig.from_preset(name)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    n = model.num_params(non_embedding=False)
+    assert n == gpt2_param_count(cfg.n_layer, cfg.n_embd)
+    assert round(n / 1e6, 2) == millions
+    assert model.num_params() == n - cfg.block_size * cfg.n_embd
+    attn = 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+    assert model.flops_per_token() == 6 * model.num_params() + attn
+
+
+def test_preset_overrides_and_bad_configs():
+    cfg = GPTConfig.from_preset("124M", block_size=256, dropout=0.1)
+    assert (cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.dropout) == (12, 768, 256, 0.1)
+    with pytest.raises(ValueError, match="unknown preset"):
+        GPTConfig.from_preset("gpt3")
+    with pytest.raises(ValueError, match="padded_vocab_size"):
+        GPTConfig(vocab_size=100, padded_vocab_size=64)
+    with pytest.raises(ValueError, match="divisible"):
+        GPTConfig(n_embd=30, n_head=4)
+    with pytest.raises(ValueError, match="loss_impl"):
+        GPTConfig(loss_impl="triton")
+
+
+def test_init_is_seeded_and_gpt2_like():
+    a, b, c = tiny(seed=1, n_layer=4, n_embd=64), tiny(seed=1, n_layer=4, n_embd=64), tiny(seed=2)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name
+    assert not torch.equal(a.transformer.h[0].mlp.c_fc.weight, c.transformer.h[0].mlp.c_fc.weight)
+    assert a.lm_head.weight is a.transformer.wte.weight
+    wte = a.transformer.wte.weight
+    assert torch.count_nonzero(wte[V:]) == 0
+    assert wte[:V].std().item() == pytest.approx(0.02, rel=0.02)
+    proj = torch.cat([blk.mlp.c_proj.weight.flatten() for blk in a.transformer.h])
+    assert proj.std().item() == pytest.approx(0.02 / math.sqrt(2 * 4), rel=0.05)
+    assert torch.count_nonzero(a.transformer.h[0].attn.c_attn.bias) == 0
+
+
+# ---------------------------------------------------------------- forward and loss
+
+
+@pytest.mark.parametrize("loss_impl", ["fused", "torch"])
+def test_loss_equals_cross_entropy_of_unpadded_logits(loss_impl):
+    vocab = 100  # small: the fused path runs in the Triton interpreter on CPU
+    model = tiny(loss_impl=loss_impl, vocab_size=vocab, padded_vocab_size=128)
+    with torch.no_grad():  # poisoned padding: a loss that let it into the softmax would be ~1e4
+        model.transformer.wte.weight[vocab:] = 1e4
+    idx = torch.randint(0, vocab, (3, 17))
+    targets = torch.randint(0, vocab, (3, 17))
+    targets[0, :5] = -100
+    # independent reference: full-vocab logits by hand, real columns only
+    x = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(17))
+    for block in model.transformer.h:
+        x = block(x)
+    logits = model.transformer.ln_f(x) @ model.transformer.wte.weight[:vocab].T
+    expected = F.cross_entropy(logits.view(-1, vocab), targets.view(-1), ignore_index=-100)
+    loss = model(idx, targets)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(idx, all_positions=True), logits, rtol=1e-5, atol=1e-5)
+    last = model(idx)
+    assert last.shape == (3, 1, vocab)
+    torch.testing.assert_close(last, logits[:, -1:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("loss_impl,vocab", [("torch", V), ("fused", 100)])
+def test_padded_rows_stay_exactly_zero_under_adamw(loss_impl, vocab):
+    model = tiny(loss_impl=loss_impl, vocab_size=vocab, padded_vocab_size=(vocab + 63) // 64 * 64)
+    wte = model.transformer.wte.weight
+    before = wte[:vocab].detach().clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=False)
+    for step in range(4):
+        idx = torch.randint(0, vocab, (2, 32))
+        idx[0, 0] = vocab - 1  # the last real id is read too
+        loss = model(idx, torch.randint(0, vocab, (2, 32)))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        assert torch.count_nonzero(wte.grad[vocab:]) == 0, step
+        opt.step()
+    assert torch.count_nonzero(wte[vocab:]) == 0
+    assert not torch.equal(wte[:vocab], before)
+
+
+def test_int32_idx_is_accepted():
+    model = tiny()
+    idx = torch.randint(0, V, (2, 9))
+    torch.testing.assert_close(model(idx.int()), model(idx))
+
+
+@pytest.mark.parametrize(
+    "idx,match",
+    [
+        (torch.zeros(2, 8), "int64"),
+        (torch.zeros(8, dtype=torch.long), r"\(B, T\)"),
+        (torch.zeros(2, 0, dtype=torch.long), r"\(B, T\)"),
+        (torch.zeros(1, 65, dtype=torch.long), "block_size=64"),
+        (torch.full((1, 4), V, dtype=torch.long), f"token id {V}"),
+        (torch.full((1, 4), -1, dtype=torch.long), "token id -1"),
+    ],
+)
+def test_bad_idx_gives_clear_errors(idx, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        tiny()(idx)
+
+
+def test_bad_targets_give_clear_errors():
+    model = tiny()
+    idx = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="targets shape"):
+        model(idx, torch.zeros(2, 7, dtype=torch.long))
+    with pytest.raises(ValueError, match=f"target {V}"):
+        model(idx, torch.full((2, 8), V, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- generation
+
+
+@pytest.mark.parametrize("prompt_len,new", [(1, 20), (7, 80), (70, 10)])  # block_size is 64
+def test_kv_cache_generation_equals_full_recompute(prompt_len, new):
+    model = tiny(seed=3).eval()
+    idx = torch.randint(0, V, (3, prompt_len))
+    cached = model.generate(idx, new, temperature=0)
+    full = model.generate(idx, new, temperature=0, use_cache=False)
+    assert cached.shape == (3, prompt_len + new)
+    assert torch.equal(cached[:, :prompt_len], idx)
+    assert torch.equal(cached, full)
+
+
+def test_kv_cache_generation_equals_nanogpt_loop_when_sampling():
+    """Sampled (not greedy) tokens match a plain crop-and-recompute loop written here."""
+    model = tiny(seed=4).eval()
+    idx = torch.randint(0, V, (2, 5))
+    g = torch.Generator().manual_seed(7)
+    out = model.generate(idx, 70, temperature=0.9, top_k=50, generator=g)
+    g.manual_seed(7)
+    ref = idx
+    with torch.no_grad():
+        for _ in range(70):
+            logits = model(ref[:, -64:], all_positions=True)[:, -1, :] / 0.9
+            kth = torch.topk(logits, 50).values[:, [-1]]
+            probs = F.softmax(logits.masked_fill(logits < kth, -float("inf")), dim=-1)
+            race = torch.empty_like(probs).exponential_(generator=g)  # the same draw as generate's
+            ref = torch.cat([ref, (probs / race).argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ref)
+
+
+def test_generation_never_emits_padded_ids():
+    model = tiny().eval()
+    with torch.no_grad():  # tied: the padded classifier rows would win every softmax
+        model.transformer.wte.weight[V:] = 1e4
+    out = model.generate(torch.zeros(8, 1, dtype=torch.long), 30, temperature=1.0)
+    assert int(out.max()) < V
+    assert model(out[:, -64:]).shape[-1] == V
+
+
+def test_generation_is_deterministic_by_generator():
+    model = tiny().eval()
+    idx = torch.zeros(4, 3, dtype=torch.long)
+    a = model.generate(idx, 12, top_p=0.9, generator=torch.Generator().manual_seed(5))
+    b = model.generate(idx, 12, top_p=0.9, generator=torch.Generator().manual_seed(5))
+    c = model.generate(idx, 12, top_p=0.9, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_sampling_filters():
+    # probabilities 0.5, 0.3, 0.15, 0.05 in a shuffled order
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
+    logits = probs.log().repeat(4000, 1)
+    g = torch.Generator().manual_seed(0)
+    greedy = _sample_next(logits, 0, None, None, g)
+    assert torch.equal(greedy, torch.ones(4000, 1, dtype=torch.long))
+
+    def counts(ids):
+        return torch.bincount(ids.flatten(), minlength=4)
+
+    free = counts(_sample_next(logits, 1.0, None, None, g)) / 4000
+    torch.testing.assert_close(free, probs[0], atol=0.03, rtol=0)
+    top2 = counts(_sample_next(logits, 1.0, 2, None, g))
+    assert top2[0] == top2[2] == 0 and abs(top2[1] / 4000 - 0.5 / 0.8) < 0.03
+    # nucleus 0.7: {0.5, 0.3} is the smallest set with mass >= 0.7
+    nucleus = counts(_sample_next(logits, 1.0, None, 0.7, g))
+    assert nucleus[0] == nucleus[2] == 0 and abs(nucleus[1] / 4000 - 0.5 / 0.8) < 0.03
+    assert counts(_sample_next(logits, 1.0, None, 0.4, g))[1] == 4000
+    cold = counts(_sample_next(logits, 0.25, None, None, g)) / 4000  # p^4, renormalised
+    torch.testing.assert_close(cold, probs[0] ** 4 / (probs[0] ** 4).sum(), atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [({"temperature": -1}, "temperature"), ({"top_k": 0}, "top_k"), ({"top_p": 0.0}, "top_p"),
+     ({"top_p": 1.5}, "top_p"), ({"max_new_tokens": -1}, "max_new_tokens")],
+)  # fmt: skip
+def test_bad_sampling_arguments(kw, match):
+    args = {"max_new_tokens": 2, **kw}
+    with pytest.raises(ValueError, match=match):
+        tiny().generate(torch.zeros(1, 1, dtype=torch.long), **args)
+
+
+# ---------------------------------------------------------------- checkpoints and devices
+
+
+def save_ckpt(path, model, **extra):
+    ckpt = {"model": model.state_dict(), "model_config": asdict(model.config), "step": 0, **extra}
+    torch.save(ckpt, path)
+
+
+def test_from_checkpoint_file_and_newest_in_dir(tmp_path):
+    old, new = tiny(seed=1), tiny(seed=2)
+    save_ckpt(tmp_path / "ckpt_0000100.pt", old)
+    save_ckpt(tmp_path / "ckpt_0001000.pt", new, val_loss=3.5)
+    model, ckpt = GPT.from_checkpoint(tmp_path)
+    assert ckpt["val_loss"] == 3.5
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert all(p.requires_grad for p in model.parameters())  # resumable: trainer loads this way
+    idx = torch.randint(0, V, (2, 10))
+    torch.testing.assert_close(model(idx, idx), new(idx, idx), rtol=0, atol=0)
+    model, _ = GPT.from_checkpoint(tmp_path / "ckpt_0000100.pt")
+    torch.testing.assert_close(model(idx, idx), old(idx, idx), rtol=0, atol=0)
+
+
+def test_from_checkpoint_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no ckpt_"):
+        GPT.from_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        GPT.from_checkpoint(tmp_path / "nope.pt")
+    torch.save({"weights": 1}, tmp_path / "junk.pt")
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        GPT.from_checkpoint(tmp_path / "junk.pt")
+    model = tiny()
+    sd = model.state_dict()
+    sd["transformer.h.9.ln_1.weight"] = sd.pop("transformer.h.1.ln_1.weight")
+    torch.save({"model": sd, "model_config": asdict(model.config)}, tmp_path / "keys.pt")
+    with pytest.raises(ValueError, match=r"missing keys \['transformer.h.1.ln_1.weight'\]"):
+        GPT.from_checkpoint(tmp_path / "keys.pt")
+    save_ckpt(tmp_path / "cfg.pt", model)
+    ckpt = torch.load(tmp_path / "cfg.pt", weights_only=True)
+    ckpt["model_config"]["rope"] = True
+    torch.save(ckpt, tmp_path / "cfg.pt")
+    with pytest.raises(ValueError, match=r"unknown model_config keys \['rope'\]"):
+        GPT.from_checkpoint(tmp_path / "cfg.pt")
+    ckpt["model_config"].pop("rope")
+    ckpt["model_config"]["n_embd"] = 64
+    torch.save(ckpt, tmp_path / "cfg.pt")
+    with pytest.raises(ValueError, match="shape"):
+        GPT.from_checkpoint(tmp_path / "cfg.pt")
+
+
+def test_pick_device():
+    assert pick_device("cpu") == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert pick_device().type == pick_device("auto").type == expected
+    with pytest.raises(ValueError, match="unsupported device|bad device"):
+        pick_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            pick_device("cuda:0")
+
+
+# ---------------------------------------------------------------- HF interop
+
+
+def test_from_hf_matches_transformers_fixture():
+    """tests/fixtures/hf_gpt2_tiny was written by transformers, with transformers' own logits."""
+    model = GPT.from_hf(HF_TINY).eval()
+    assert model.config.vocab_size == 100 and model.config.padded_vocab_size == 128
+    assert torch.count_nonzero(model.transformer.wte.weight[100:]) == 0
+    expected = torch.load(HF_TINY / "expected_logits.pt", weights_only=True)
+    with torch.no_grad():
+        logits = model(expected["ids"], all_positions=True)
+    torch.testing.assert_close(logits, expected["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_from_hf_reads_openai_layout_bin(tmp_path):
+    """The original uploads: pytorch_model.bin, no "transformer." prefix, causal-mask buffers."""
+    ref = GPT.from_hf(HF_TINY).eval()
+    weights = _read_safetensors(HF_TINY / "model.safetensors")
+    sd = {k.removeprefix("transformer."): v.clone() for k, v in weights.items()}
+    for i in range(2):
+        sd[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 16, 16))
+        sd[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text((HF_TINY / "config.json").read_text())
+    model = GPT.from_hf(tmp_path).eval()
+    for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+
+
+def test_save_hf_round_trip_without_transformers(tmp_path):
+    model = tiny(vocab_size=100, padded_vocab_size=128)
+    model.save_hf(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert (hf["vocab_size"], hf["n_positions"], hf["n_embd"]) == (100, 64, 32)
+    weights = _read_safetensors(tmp_path / "model.safetensors")
+    assert weights["transformer.wte.weight"].shape == (100, 32)
+    # HF Conv1D stores (in, out)
+    assert weights["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
+    back = GPT.from_hf(tmp_path)
+    for (k, a), b in zip(model.state_dict().items(), back.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+
+
+def test_from_hf_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        GPT.from_hf(tmp_path)
+    cfg = json.loads((HF_TINY / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors"):
+        GPT.from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "activation_function": "relu"}))
+    with pytest.raises(ValueError, match="activation_function"):
+        GPT.from_hf(tmp_path)
+
+
+def test_safetensors_writer_agrees_with_the_safetensors_package(tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(7).bfloat16(),
+        "c": torch.arange(6, dtype=torch.int64).view(2, 3),
+        "s": torch.tensor(2.5),
+    }
+    _write_safetensors(tmp_path / "ours.safetensors", tensors)
+    theirs = st.load_file(tmp_path / "ours.safetensors")
+    st.save_file(tensors, tmp_path / "theirs.safetensors")
+    ours = _read_safetensors(tmp_path / "theirs.safetensors")
+    for k, v in tensors.items():
+        assert torch.equal(theirs[k], v) and torch.equal(ours[k], v), k
+
+
+def make_hf_model(vocab=100, n_positions=16, n_embd=16, seed=1234):
+    """A random transformers GPT-2 whose every tensor matters (the recipe of hf_gpt2_tiny)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    hc = transformers.GPT2Config(
+        vocab_size=vocab, n_positions=n_positions, n_embd=n_embd, n_layer=2, n_head=2,
+        initializer_range=0.3, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    hm = transformers.GPT2LMHeadModel(hc).eval()
+    with torch.no_grad():
+        for n, p in hm.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if ".weight" in n else 0.0))
+    return hm
+
+
+def test_transformers_import_and_export_round_trip(tmp_path):
+    hm = make_hf_model(vocab=300, n_positions=32, n_embd=32, seed=5)
+    hm.save_pretrained(tmp_path / "hf")
+    model = GPT.from_hf(tmp_path / "hf").eval()
+    assert model.config.padded_vocab_size == 320
+    idx = torch.randint(0, 300, (3, 32))
+    with torch.no_grad():
+        expected = hm(idx).logits
+        ours = model(idx, all_positions=True)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+    model.save_hf(tmp_path / "ours")
+    back = type(hm).from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(idx).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_generation_and_loss():
+    model = tiny(seed=6, loss_impl="fused").cuda().eval()
+    idx = torch.randint(0, V, (4, 33), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(idx, idx)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    with torch.no_grad():
+        model.transformer.wte.weight[V:] = 1e4
+    torch.backends.cuda.matmul.allow_tf32 = False
+    a = model.generate(idx[:, :5], 70, temperature=0)
+    b = model.generate(idx[:, :5], 70, temperature=0, use_cache=False)
+    assert torch.equal(a, b)
+    half = model.to(torch.bfloat16)
+    out = half.generate(idx[:, :5], 40, generator=torch.Generator("cuda").manual_seed(0))
+    assert int(out.max()) < V
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("loss_impl", ["torch", "fused"])
+def test_gpu_compiled_training_step_matches_eager(loss_impl):
+    """The trainer compiles the model: the forward must compile without graph breaks on CUDA."""
+    model = tiny(seed=7, loss_impl=loss_impl).cuda()
+    compiled = torch.compile(model, fullgraph=True)
+    idx = torch.randint(0, V, (4, 64), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = model(idx, idx)
+        loss = compiled(idx, idx)
+    loss.backward()
+    torch.testing.assert_close(loss, eager, rtol=2e-2, atol=2e-2)
+    assert torch.count_nonzero(model.transformer.wte.weight.grad[V:]) == 0

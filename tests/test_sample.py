@@ -1,0 +1,99 @@
+"""sample.py: the command line end to end on a tiny random checkpoint (CPU)."""
+
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import sample
+from data.tokenizer import EOT, get_tokenizer
+from model import GPT, GPTConfig
+
+V, VP = 50257, 50304
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=V, padded_vocab_size=VP
+    )
+    model = GPT(cfg)
+    with torch.no_grad():  # the tied classifier would pick a padded id every time if it could
+        model.transformer.wte.weight[V:] = 1e4
+    d = tmp_path_factory.mktemp("out")
+    ckpt = {"model": model.state_dict(), "model_config": asdict(cfg), "step": 7, "val_loss": None}
+    torch.save(ckpt, d / "ckpt_0000007.pt")
+    return d
+
+
+def run(capsys, *argv):
+    out = sample.main([*argv, "--device", "cpu", "--num-samples", "3", "--max-new-tokens", "40"])
+    return out, capsys.readouterr().out
+
+
+def test_same_seed_same_text_and_prompt_kept(capsys, ckpt_dir):
+    ids_a, text_a = run(capsys, "--ckpt", str(ckpt_dir), "--prompt", "Hello world", "--seed", "1")
+    ids_b, text_b = run(capsys, "--ckpt", str(ckpt_dir), "--prompt", "Hello world", "--seed", "1")
+    ids_c, text_c = run(capsys, "--ckpt", str(ckpt_dir), "--prompt", "Hello world", "--seed", "2")
+    assert text_a == text_b and torch.equal(ids_a, ids_b)
+    assert text_a != text_c
+    prompt = get_tokenizer().encode("Hello world")
+    assert ids_a.shape == (3, len(prompt) + 40)  # 40 new tokens go past block_size=32: cropped
+    assert ids_a[:, : len(prompt)].tolist() == [prompt] * 3
+    assert int(ids_a.max()) < V  # the poisoned padded rows are never sampled
+    samples = text_a.split("-" * 40 + "\n")[:-1]
+    assert len(samples) == 3 and all(s.startswith("Hello world") for s in samples)
+    assert samples[0] == get_tokenizer().decode(ids_a[0].tolist()) + "\n"
+
+
+def test_prompt_file_and_hf_dir_agree_with_ckpt(capsys, ckpt_dir, tmp_path):
+    (tmp_path / "prompt.txt").write_text("The meaning of life is", encoding="utf-8")
+    model, _ = GPT.from_checkpoint(ckpt_dir)
+    model.save_hf(tmp_path / "hf")
+    common = ["--seed", "3", "--top-p", "0.9", "--temperature", "1.0"]
+    ids_a, _ = run(capsys, "--ckpt", str(ckpt_dir), "--prompt", "The meaning of life is", *common)
+    ids_b, _ = run(
+        capsys, "--ckpt", str(ckpt_dir), "--prompt-file", str(tmp_path / "prompt.txt"), *common
+    )
+    ids_c, _ = run(
+        capsys,
+        "--hf-dir",
+        str(tmp_path / "hf"),
+        "--prompt-file",
+        str(tmp_path / "prompt.txt"),
+        *common,
+    )
+    assert torch.equal(ids_a, ids_b) and torch.equal(ids_a, ids_c)
+
+
+def test_greedy_equals_model_generate_and_default_prompt_is_eot(capsys, ckpt_dir):
+    ids, text = run(capsys, "--ckpt", str(ckpt_dir), "--temperature", "0")
+    model, _ = GPT.from_checkpoint(ckpt_dir)
+    expected = model.eval().generate(torch.full((3, 1), EOT), 40, temperature=0)
+    assert torch.equal(ids, expected)
+    assert not text.startswith("<|endoftext|>")  # our own start token is not printed
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],  # no --ckpt / --hf-dir
+        ["--ckpt", "x", "--hf-dir", "y"],
+        ["--ckpt", "x", "--prompt", "a", "--prompt-file", "b"],
+        ["--ckpt", "x", "--prompt-file", "/nonexistent/prompt.txt"],
+        ["--ckpt", "x", "--top-p", "1.5"],
+        ["--ckpt", "x", "--temperature", "-1"],
+        ["--ckpt", "x", "--dtype", "int8"],
+    ],
+)
+def test_bad_arguments_exit_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        sample.main(argv)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no ckpt_"):
+        sample.main(["--ckpt", str(tmp_path), "--device", "cpu"])
