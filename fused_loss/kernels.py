@@ -114,7 +114,8 @@ def _lse_kernel(
         new_mx = tl.maximum(mx, tl.max(m, axis=1))
         sm = sm * tl.exp(mx - new_mx) + tl.sum(s * tl.exp(m - new_mx[:, None]), axis=1)
         mx = new_mx
-    lse = mx + tl.log(sm)
+    lse = mx + tl.log(tl.where(sm > 0.0, sm, 1.0))  # sm >= 1 on real rows
+    lse = tl.where(row_ok, lse, 0.0)  # rows past the end: keep later exp() finite
 
     # Target logit x_n . w_{y_n}, fp32 accumulation of the same products the matmul forms.
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
