@@ -1,4 +1,4 @@
-"""Linear + cross-entropy, forward+backward: our kernel against torch eager, torch.compile, Liger, CCE.
+"""Linear + cross-entropy fwd+bwd: our kernel vs torch eager, torch.compile, Liger and CCE.
 
     python bench/bench_fused_loss.py [--shapes 124M,1558M,256k] [--out DIR] [--variants]
 
@@ -104,8 +104,11 @@ def measure(fn, x, w, t, ref, reps):
     xg.grad = wg.grad = None
     loss = fn(xg, wg, t)  # first call: compilation, caches
     loss.backward()
-    errs = dict(err_loss=rel(loss.detach(), ref[0]), err_dx=rel(xg.grad, ref[1]),
-                err_dw=rel(wg.grad, ref[2]))
+    errs = dict(
+        err_loss=rel(loss.detach(), ref[0]),
+        err_dx=rel(xg.grad, ref[1]),
+        err_dw=rel(wg.grad, ref[2]),
+    )
     xg.grad = wg.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -177,8 +180,12 @@ def main():
     props = torch.cuda.get_device_properties(0)
     import triton
 
-    info = dict(gpu=props.name, torch=torch.__version__, triton=triton.__version__,
-                date=time.strftime("%Y-%m-%d"))
+    info = dict(
+        gpu=props.name,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=time.strftime("%Y-%m-%d"),
+    )
     print(info, flush=True)
     results = dict(info=info, rows=[], breakdown={})
     path = os.path.join(args.out, "bench_fused_loss.json")
@@ -242,12 +249,14 @@ def main():
             print(f"| {r['shape']} | {r['method']} | error: {r['error'][:80]} |")
             continue
 
-        def f(k, fmt):
+        def f(k, fmt, r=r):
             return format(r[k], fmt) if k in r else ""
 
-        print(f"| {r['shape']} | {r['method']} | {f('fwd_bwd_ms', '.2f')} | {f('fwd_ms', '.2f')} | "
-              f"{f('peak_mib', '.0f')} | {f('err_loss', '.1e')} | {f('err_dx', '.1e')} | "
-              f"{f('err_dw', '.1e')} |")
+        print(
+            f"| {r['shape']} | {r['method']} | {f('fwd_bwd_ms', '.2f')} | {f('fwd_ms', '.2f')} | "
+            f"{f('peak_mib', '.0f')} | {f('err_loss', '.1e')} | {f('err_dx', '.1e')} | "
+            f"{f('err_dw', '.1e')} |"
+        )
 
 
 if __name__ == "__main__":

@@ -22,15 +22,18 @@ def check_inputs(x, weight, targets, ignore_index, reduction, vocab_size):
         raise ValueError(f"weight must be (V, D), got shape {tuple(weight.shape)}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
-            f"x's last dim must equal weight's D: x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
+            f"x's last dim must equal weight's D: x {tuple(x.shape)} vs weight "
+            f"{tuple(weight.shape)}"
         )
     if tuple(targets.shape) != tuple(x.shape[:-1]):
         raise ValueError(
-            f"targets shape {tuple(targets.shape)} must equal x's leading dims {tuple(x.shape[:-1])}"
+            f"targets shape {tuple(targets.shape)} must equal x's leading dims "
+            f"{tuple(x.shape[:-1])}"
         )
     if x.device != weight.device or x.device != targets.device:
         raise ValueError(
-            f"x, weight, targets must be on one device, got {x.device}, {weight.device}, {targets.device}"
+            "x, weight, targets must be on one device, got "
+            f"{x.device}, {weight.device}, {targets.device}"
         )
     V, D = weight.shape
     if V == 0 or D == 0:
@@ -46,6 +49,7 @@ def check_inputs(x, weight, targets, ignore_index, reduction, vocab_size):
         if bool(bad.any()):
             first = targets[bad][0].item()
             raise ValueError(
-                f"target {first} is outside [0, {vocab_size}) and is not ignore_index={ignore_index}"
+                f"target {first} is outside [0, {vocab_size}) "
+                f"and is not ignore_index={ignore_index}"
             )
     return vocab_size

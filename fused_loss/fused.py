@@ -1,9 +1,9 @@
 """Launchers, the custom ops that torch.compile treats as opaque, and the public function.
 
-Forward computes the loss and, when gradients are wanted, dx and dw in the same pass: the loss is
-the last op of the model, so the backward only scales them by the upstream gradient (3 GEMMs, not 4).
-reduction="none" cannot be precomputed that way (each row's upstream gradient is unknown in forward),
-so its backward runs the pass again with those per-row weights.
+Forward computes the loss and, when gradients are wanted, dx and dw in the same pass: the loss
+is the last op of the model, so the backward only scales them by the upstream gradient (3 GEMMs,
+not 4). reduction="none" cannot be precomputed that way (each row's upstream gradient is unknown
+in forward), so its backward runs the pass again with those per-row weights.
 """
 
 import functools
@@ -116,11 +116,17 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_d
         dw_dtype = dw_dtype or w.dtype
         buf = torch.empty((n, Vb), device=dev, dtype=x.dtype)
         dx = torch.empty_like(x)
-        dx_acc = None if x.dtype == torch.float32 else torch.empty((n, D), device=dev, dtype=torch.float32)
+        dx_acc = (
+            None
+            if x.dtype == torch.float32
+            else torch.empty((n, D), device=dev, dtype=torch.float32)
+        )
         dw = torch.empty((V, D), device=dev, dtype=dw_dtype)
         has_lo = dw_dtype != torch.float32 and n_chunks > 1
         lo = torch.empty((V, D), device=dev, dtype=dw_dtype) if has_lo else dw
-        Vk = triton.cdiv(vocab_size, xc_cfg["BK"]) * xc_cfg["BK"]  # columns past the vocab are all 0
+        Vk = (
+            triton.cdiv(vocab_size, xc_cfg["BK"]) * xc_cfg["BK"]
+        )  # columns past the vocab are all 0
     else:
         buf = m  # never written (STORE_E=False)
         dx, dw = x.new_empty(0), x.new_empty(0)
@@ -128,41 +134,107 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_d
     for i in range(n_chunks):
         c0 = i * n
         rows = min(n, N - c0)
-        xs, ys = x[c0:c0 + rows], y[c0:c0 + rows]
+        xs, ys = x[c0 : c0 + rows], y[c0 : c0 + rows]
         grid = (triton.cdiv(rows, lc["BN"]) * T,)
         kernels._logits_kernel[grid](
-            xs, w, buf, m, s,
-            rows, D, V, vocab_size, xs.stride(0), w.stride(0), buf.stride(0), T,
-            **_tiles(lc), STORE_E=want_grad, UPCAST=upcast, IEEE=ieee, **_launch_opts(lc),
+            xs,
+            w,
+            buf,
+            m,
+            s,
+            rows,
+            D,
+            V,
+            vocab_size,
+            xs.stride(0),
+            w.stride(0),
+            buf.stride(0),
+            T,
+            **_tiles(lc),
+            STORE_E=want_grad,
+            UPCAST=upcast,
+            IEEE=ieee,
+            **_launch_opts(lc),
         )
-        gs = g[c0:c0 + rows] if g_per_row else g
+        gs = g[c0 : c0 + rows] if g_per_row else g
         br = 32 if dev.type == "cuda" else 16
         kernels._lse_kernel[(triton.cdiv(rows, br),)](
-            m, s, xs, w, ys, gs, buf, losses[c0:c0 + rows],
-            rows, D, T, xs.stride(0), w.stride(0), buf.stride(0), ignore_index, vocab_size,
-            G_PER_ROW=g_per_row, WRITE_F=want_grad, BR=br, BT=64, BDZ=128, BV=BV, UPCAST=upcast,
+            m,
+            s,
+            xs,
+            w,
+            ys,
+            gs,
+            buf,
+            losses[c0 : c0 + rows],
+            rows,
+            D,
+            T,
+            xs.stride(0),
+            w.stride(0),
+            buf.stride(0),
+            ignore_index,
+            vocab_size,
+            G_PER_ROW=g_per_row,
+            WRITE_F=want_grad,
+            BR=br,
+            BT=64,
+            BDZ=128,
+            BV=BV,
+            UPCAST=upcast,
         )
         if not want_grad:
             continue
-        acc = dx[c0:c0 + rows] if dx_acc is None else dx_acc[:rows]
+        acc = dx[c0 : c0 + rows] if dx_acc is None else dx_acc[:rows]
         acc.zero_()
         tiles = triton.cdiv(rows, xc_cfg["BN"]) * triton.cdiv(D, xc_cfg["BD"])
         splits = _dx_splits(tiles, dev)
         k_per_split = triton.cdiv(triton.cdiv(Vk, xc_cfg["BK"]), splits) * xc_cfg["BK"]
         grid = (triton.cdiv(rows, xc_cfg["BN"]), triton.cdiv(D, xc_cfg["BD"]), splits)
         kernels._dx_kernel[grid](
-            buf, m, w, acc,
-            rows, D, vocab_size, Vk, T, buf.stride(0), w.stride(0), acc.stride(0), k_per_split,
-            **_tiles(xc_cfg), BV=BV, UPCAST=upcast, IEEE=ieee, **_launch_opts(xc_cfg),
+            buf,
+            m,
+            w,
+            acc,
+            rows,
+            D,
+            vocab_size,
+            Vk,
+            T,
+            buf.stride(0),
+            w.stride(0),
+            acc.stride(0),
+            k_per_split,
+            **_tiles(xc_cfg),
+            BV=BV,
+            UPCAST=upcast,
+            IEEE=ieee,
+            **_launch_opts(xc_cfg),
         )
         if dx_acc is not None:
-            dx[c0:c0 + rows].copy_(acc)
+            dx[c0 : c0 + rows].copy_(acc)
         grid = (triton.cdiv(V, wc["BVW"]) * triton.cdiv(D, wc["BD"]),)
         kernels._dw_kernel[grid](
-            buf, m, xs, dw, lo,
-            rows, D, V, T, buf.stride(0), xs.stride(0), dw.stride(0),
-            **_tiles(wc), BV=BV, FIRST=i == 0, LAST=i == n_chunks - 1, HAS_LO=has_lo,
-            UPCAST=upcast, IEEE=ieee, **_launch_opts(wc),
+            buf,
+            m,
+            xs,
+            dw,
+            lo,
+            rows,
+            D,
+            V,
+            T,
+            buf.stride(0),
+            xs.stride(0),
+            dw.stride(0),
+            **_tiles(wc),
+            BV=BV,
+            FIRST=i == 0,
+            LAST=i == n_chunks - 1,
+            HAS_LO=has_lo,
+            UPCAST=upcast,
+            IEEE=ieee,
+            **_launch_opts(wc),
         )
     return losses, dx, dw
 
@@ -176,8 +248,13 @@ def _prepare(x, w):
 
 @torch.library.custom_op("fused_loss::lce_forward", mutates_args=())
 def _lce_forward(
-    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ignore_index: int, vocab_size: int,
-    reduction: str, want_grad: bool,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor,
+    ignore_index: int,
+    vocab_size: int,
+    reduction: str,
+    want_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     w_dtype = w.dtype
     x, wc = _prepare(x, w)
@@ -187,8 +264,17 @@ def _lce_forward(
     else:
         g = torch.ones(1, device=x.device, dtype=torch.float32)
     grads = want_grad and reduction != "none"
-    losses, dx, dw = lce_pass(x, wc, y, g, ignore_index=ignore_index, vocab_size=vocab_size,
-                              want_grad=grads, g_per_row=False, dw_dtype=w_dtype)
+    losses, dx, dw = lce_pass(
+        x,
+        wc,
+        y,
+        g,
+        ignore_index=ignore_index,
+        vocab_size=vocab_size,
+        want_grad=grads,
+        g_per_row=False,
+        dw_dtype=w_dtype,
+    )
     loss = losses if reduction == "none" else losses.sum() * g[0]
     return loss, dx, dw
 
@@ -204,14 +290,27 @@ def _(x, w, y, ignore_index, vocab_size, reduction, want_grad):
 
 @torch.library.custom_op("fused_loss::lce_backward_rows", mutates_args=())
 def _lce_backward_rows(
-    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, grad_rows: torch.Tensor, ignore_index: int,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor,
+    grad_rows: torch.Tensor,
+    ignore_index: int,
     vocab_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     w_dtype = w.dtype
     x, wc = _prepare(x, w)
     g = grad_rows.to(torch.float32).contiguous()
-    _, dx, dw = lce_pass(x, wc, y, g, ignore_index=ignore_index, vocab_size=vocab_size,
-                         want_grad=True, g_per_row=True, dw_dtype=w_dtype)
+    _, dx, dw = lce_pass(
+        x,
+        wc,
+        y,
+        g,
+        ignore_index=ignore_index,
+        vocab_size=vocab_size,
+        want_grad=True,
+        g_per_row=True,
+        dw_dtype=w_dtype,
+    )
     return dx, dw
 
 
@@ -231,7 +330,8 @@ def _scale_grads(
         out = torch.empty_like(t)
         block = 4096
         kernels._scale_kernel[(triton.cdiv(t.numel(), block),)](
-            t, g, out, t.numel(), BLOCK=block, UPCAST=t.device.type != "cuda")
+            t, g, out, t.numel(), BLOCK=block, UPCAST=t.device.type != "cuda"
+        )
         outs.append(out)
     return outs[0], outs[1]
 
@@ -254,12 +354,16 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, _grad_dx, _grad_dw):
     if ctx.reduction == "none":
         x, w, y = ctx.saved_tensors
-        dx, dw = _lce_backward_rows(x, w, y, grad_loss.reshape(-1), ctx.ignore_index, ctx.vocab_size)
+        dx, dw = _lce_backward_rows(
+            x, w, y, grad_loss.reshape(-1), ctx.ignore_index, ctx.vocab_size
+        )
     else:
         dx, dw = ctx.saved_tensors
         if dx.numel() == 0:
-            raise RuntimeError("fused_linear_cross_entropy: forward ran without gradients; "
-                               "call it with grad enabled and inputs that require grad")
+            raise RuntimeError(
+                "fused_linear_cross_entropy: forward ran without gradients; "
+                "call it with grad enabled and inputs that require grad"
+            )
         dx, dw = _scale_grads(dx, dw, grad_loss)
     return dx, dw, None, None, None, None, None
 
@@ -282,12 +386,23 @@ def fused_linear_cross_entropy(
     vocab_size = check_inputs(x, weight, targets, ignore_index, reduction, vocab_size)
     if (x.device.type != "cuda" and not interpreting()) or torch.float64 in (x.dtype, weight.dtype):
         return linear_cross_entropy_reference(
-            x, weight, targets, ignore_index=ignore_index, reduction=reduction,
-            vocab_size=vocab_size)
+            x,
+            weight,
+            targets,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            vocab_size=vocab_size,
+        )
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
     want_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     loss, _, _ = _lce_forward(
-        x.reshape(-1, x.shape[-1]), weight, targets.reshape(-1).to(torch.int64),
-        ignore_index, vocab_size, reduction, want_grad)
+        x.reshape(-1, x.shape[-1]),
+        weight,
+        targets.reshape(-1).to(torch.int64),
+        ignore_index,
+        vocab_size,
+        reduction,
+        want_grad,
+    )
     return loss.view(targets.shape) if reduction == "none" else loss

@@ -2,37 +2,38 @@
 
 Dims: N tokens, D hidden, V weight rows (padded vocab), Vr = vocab_size <= V real columns.
 Math, for x (N, D), w (V, D), targets y (N,) and per-row gradient weights g (N,):
-    z = x @ w.T                      logits, columns v >= Vr masked to -inf (padding never in the softmax)
-    lse_n = log sum_v exp(z_nv)      loss_n = lse_n - z_{n, y_n}
-    G = diag(g) (softmax(z) - onehot(y))        (N, V), the gradient of sum_n g_n loss_n wrt z
-    dx = G @ w      (N, D)           dw = G.T @ x    (V, D)
-g_n is 1/count (mean), 1 (sum) or the upstream gradient ("none"), and 0 for ignored targets.
+    z = x @ w.T                  logits; columns v >= Vr masked to -inf (never in the softmax)
+    lse_n = log sum_v exp(z_nv)  loss_n = lse_n - z_{n, y_n}
+    G = diag(g) (softmax(z) - onehot(y))     (N, V), the gradient of sum_n g_n loss_n wrt z
+    dx = G @ w   (N, D)          dw = G.T @ x   (V, D)
+g_n is 1/count (mean), 1 (sum) or the upstream gradient ("none"); 0 for ignored targets.
 
-Rows are processed in chunks of n tokens so that only an (n, V) buffer is ever alive:
-    _logits_kernel  tile (BN, BV) of z from a K = D loop, fp32 accumulator. Stores the tile max m_t (n, T),
-                    sum_t = sum exp(z - m_t) (n, T) and, when gradients are wanted, E = exp(z - m_t) in
-                    the compute dtype into the buffer (n, T * BV). E is in (0, 1], so bf16 storage has a
-                    relative error of 2^-9 whatever the logit's magnitude.
-    _lse_kernel     per row: lse from the (m_t, sum_t) partials; the target logit x_n . w_{y_n} (fp32);
-                    the loss; f_nt = g_n exp(m_t - lse_n) written over m_t; and the one-hot folded into E:
-                    the target's tile of E is rescaled to softmax values minus 1 at the target (its f is
-                    then g_n). After this, G_nv = E_nv f_{n,t(v)}: a row scaling per tile.
-    _dx_kernel      dx rows of the chunk: G @ w, G = E * f formed in registers tile by tile (never stored),
-                    split over V across programs, fp32 atomics into an (n, D) fp32 scratch.
-    _dw_kernel      dw += E.T @ (f * x_chunk), fp32 accumulator in registers; across chunks the sum lives in
-                    the gradient itself: fp32 for fp32 weights, else a (hi, lo) pair of the weight's dtype
-                    (hi = round(sum), lo = round(sum - hi)), which holds ~16 significant bits for bf16 at half
-                    the memory of an fp32 accumulator. hi is the correctly rounded gradient at the end.
+Rows are processed in chunks of n tokens, so only an (n, V) buffer is ever alive:
+  _logits_kernel  a (BN, BV) tile of z from a K = D loop, fp32 accumulator. Stores the tile max
+                  m_t (n, T), sum_t = sum exp(z - m_t) (n, T) and, when gradients are wanted,
+                  E = exp(z - m_t) in the compute dtype into the buffer (n, T * BV). E is in
+                  (0, 1], so bf16 storage costs a relative 2^-9 whatever the logit's magnitude.
+  _lse_kernel     per row: lse from the (m_t, sum_t) partials; the target logit x_n . w_{y_n}
+                  (fp32); the loss; f_nt = g_n exp(m_t - lse_n) written over m_t; and the one-hot
+                  folded into E: the target's tile of E is rescaled to softmax values minus 1 at
+                  the target (its f is then g_n). Afterwards G_nv = E_nv f_{n,t(v)} everywhere.
+  _dx_kernel      dx rows of the chunk: G @ w with G = E * f formed in registers tile by tile
+                  (never stored), the V reduction split across programs, fp32 atomics into an
+                  (n, D) fp32 scratch.
+  _dw_kernel      dw += E.T @ (f * x_chunk), fp32 accumulator in registers. Across chunks the
+                  sum lives in the gradient itself: fp32 for fp32 weights, else a (hi, lo) pair
+                  in the weight's dtype (hi = round(sum), lo = round(sum - hi)): ~16 significant
+                  bits for bf16 at half the memory of an fp32 accumulator; hi ends correctly
+                  rounded.
 So each logit is computed once (3 GEMM-equivalents: z, dx, dw) and read from the buffer twice.
-All dot products accumulate in fp32. Under the CPU interpreter (UPCAST) tiles are cast to fp32 before
-tl.dot, because the interpreter's bf16 dot is wrong, and fp32 -> bf16 casts are rounded to nearest
-by hand, because the interpreter truncates (both seen with triton 3.9; the GPU path is untouched).
+All dot products accumulate in fp32. Under the CPU interpreter (UPCAST) tiles are cast to fp32
+before tl.dot, because the interpreter's bf16 dot is wrong, and fp32 -> bf16 casts are rounded to
+nearest by hand, because the interpreter truncates (both seen with triton 3.9; the GPU path is
+untouched).
 """
 
 import triton
 import triton.language as tl
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -57,10 +58,25 @@ def _cast(v, dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _logits_kernel(
-    x_ptr, w_ptr, e_ptr, m_ptr, s_ptr,
-    n_rows, D, V, vocab_size, stride_x, stride_w, stride_e, T,
-    BN: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
-    STORE_E: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    e_ptr,
+    m_ptr,
+    s_ptr,
+    n_rows,
+    D,
+    V,
+    vocab_size,
+    stride_x,
+    stride_w,
+    stride_e,
+    T,
+    BN: tl.constexpr,
+    BV: tl.constexpr,
+    BD: tl.constexpr,
+    STORE_E: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     # Row blocks vary fastest so that programs running together share one (BV, D) slice of w.
     pid = tl.program_id(0)
@@ -84,7 +100,9 @@ def _logits_kernel(
 
     z = tl.where((cols < vocab_size)[None, :], acc, float("-inf"))
     m = tl.max(z, axis=1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # a tile of padding only: keep exp() finite (it gives 0)
+    m = tl.where(
+        m == float("-inf"), 0.0, m
+    )  # a tile of padding only: keep exp() finite (it gives 0)
     e = tl.exp2((z - m[:, None]) * 1.4426950408889634)
     s = tl.sum(e, axis=1)
     tl.store(m_ptr + rows * T + pid_v, m, mask=row_ok)
@@ -96,10 +114,29 @@ def _logits_kernel(
 
 @triton.jit
 def _lse_kernel(
-    m_ptr, s_ptr, x_ptr, w_ptr, y_ptr, g_ptr, e_ptr, loss_ptr,
-    n_rows, D, T, stride_x, stride_w, stride_e, ignore_index, vocab_size,
-    G_PER_ROW: tl.constexpr, WRITE_F: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
-    BDZ: tl.constexpr, BV: tl.constexpr, UPCAST: tl.constexpr,
+    m_ptr,
+    s_ptr,
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    g_ptr,
+    e_ptr,
+    loss_ptr,
+    n_rows,
+    D,
+    T,
+    stride_x,
+    stride_w,
+    stride_e,
+    ignore_index,
+    vocab_size,
+    G_PER_ROW: tl.constexpr,
+    WRITE_F: tl.constexpr,
+    BR: tl.constexpr,
+    BT: tl.constexpr,
+    BDZ: tl.constexpr,
+    BV: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < n_rows
@@ -127,11 +164,15 @@ def _lse_kernel(
     for d0 in range(0, D, BDZ):
         ds = d0 + tl.arange(0, BDZ)
         ok = has_y[:, None] & (ds < D)[None, :]
-        xv = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ds[None, :], mask=ok, other=0.0)
+        xv = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * stride_x + ds[None, :], mask=ok, other=0.0
+        )
         wv = tl.load(w_ptr + y_safe[:, None] * stride_w + ds[None, :], mask=ok, other=0.0)
         zy += tl.sum(xv.to(tl.float32) * wv.to(tl.float32), axis=1)
     loss = tl.where(valid, lse - zy, 0.0)
-    loss = tl.where(valid & ~in_range, float("nan"), loss)  # bad target id: poison, never read out of range
+    loss = tl.where(
+        valid & ~in_range, float("nan"), loss
+    )  # bad target id: poison, never read out of range
     tl.store(loss_ptr + rows, loss, mask=row_ok)
 
     if WRITE_F:
@@ -163,10 +204,25 @@ def _lse_kernel(
 
 @triton.jit
 def _dx_kernel(
-    e_ptr, f_ptr, w_ptr, dx_ptr,
-    n_rows, D, vocab_size, Vk, T, stride_e, stride_w, stride_dx, k_per_split,
-    BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    e_ptr,
+    f_ptr,
+    w_ptr,
+    dx_ptr,
+    n_rows,
+    D,
+    vocab_size,
+    Vk,
+    T,
+    stride_e,
+    stride_w,
+    stride_dx,
+    k_per_split,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     # Grid (row blocks, D blocks, splits of the V reduction); partial sums meet in fp32 atomics.
     pid_n = tl.program_id(0)
@@ -181,25 +237,52 @@ def _dx_kernel(
     acc = tl.zeros((BN, BD), dtype=tl.float32)
     for k in range(k_lo, k_hi, BK):
         ks = k + tl.arange(0, BK)
-        e = tl.load(e_ptr + rows[:, None].to(tl.int64) * stride_e + ks[None, :],
-                    mask=row_ok[:, None], other=0.0)
+        e = tl.load(
+            e_ptr + rows[:, None].to(tl.int64) * stride_e + ks[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
         f = tl.load(f_ptr + rows * T + k // BV, mask=row_ok, other=0.0)
         g = _cast(e.to(tl.float32) * f[:, None], w_ptr.dtype.element_ty, UPCAST)  # G tile
         # Rows >= vocab_size (padding) are never read: poisoned padding cannot leak into dx.
-        w = tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_w + dcols[None, :],
-                    mask=(ks < vocab_size)[:, None] & d_ok[None, :], other=0.0)
+        w = tl.load(
+            w_ptr + ks[:, None].to(tl.int64) * stride_w + dcols[None, :],
+            mask=(ks < vocab_size)[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         acc = _dot(g, w, acc, UPCAST, IEEE)
-    tl.atomic_add(dx_ptr + rows[:, None] * stride_dx + dcols[None, :], acc,
-                  mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+    tl.atomic_add(
+        dx_ptr + rows[:, None] * stride_dx + dcols[None, :],
+        acc,
+        mask=row_ok[:, None] & d_ok[None, :],
+        sem="relaxed",
+    )
 
 
 @triton.jit
 def _dw_kernel(
-    e_ptr, f_ptr, x_ptr, hi_ptr, lo_ptr,
-    n_rows, D, V, T, stride_e, stride_x, stride_w,
-    BVW: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    FIRST: tl.constexpr, LAST: tl.constexpr, HAS_LO: tl.constexpr, SCALE_X: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    e_ptr,
+    f_ptr,
+    x_ptr,
+    hi_ptr,
+    lo_ptr,
+    n_rows,
+    D,
+    V,
+    T,
+    stride_e,
+    stride_x,
+    stride_w,
+    BVW: tl.constexpr,
+    BD: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    SCALE_X: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     # D blocks vary fastest: programs running together read the same (n, BVW) column block of E.
     pid = tl.program_id(0)
@@ -214,11 +297,17 @@ def _dw_kernel(
     for k in range(0, n_rows, BK):
         rows = k + tl.arange(0, BK)
         row_ok = rows < n_rows
-        e = tl.load(e_ptr + rows[:, None].to(tl.int64) * stride_e + cols[None, :],
-                    mask=row_ok[:, None], other=0.0)  # (BK, BVW)
+        e = tl.load(
+            e_ptr + rows[:, None].to(tl.int64) * stride_e + cols[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )  # (BK, BVW)
         f = tl.load(f_ptr + rows * T + t, mask=row_ok, other=0.0)
-        xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + dcols[None, :],
-                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BK, BD)
+        xt = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * stride_x + dcols[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # (BK, BD)
         if SCALE_X:  # G.T @ x = E.T @ (f * x): E goes to the tensor cores as stored
             xt = _cast(xt.to(tl.float32) * f[:, None], x_ptr.dtype.element_ty, UPCAST)
         else:
@@ -234,13 +323,14 @@ def _dw_kernel(
     hi = _cast(acc, hi_ptr.dtype.element_ty, UPCAST)
     tl.store(hi_ptr + offs, hi, mask=ok)
     if HAS_LO and not LAST:
-        tl.store(lo_ptr + offs, _cast(acc - hi.to(tl.float32), lo_ptr.dtype.element_ty, UPCAST),
-                 mask=ok)
+        tl.store(
+            lo_ptr + offs, _cast(acc - hi.to(tl.float32), lo_ptr.dtype.element_ty, UPCAST), mask=ok
+        )
 
 
 @triton.jit
 def _scale_kernel(src_ptr, g_ptr, dst_ptr, numel, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
-    """dst = src * g with g a 1-element fp32 tensor; the product is formed in fp32 and rounded once."""
+    """dst = src * g, g a 1-element fp32 tensor; the product is formed in fp32, rounded once."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     g = tl.load(g_ptr)

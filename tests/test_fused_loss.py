@@ -46,7 +46,7 @@ def _check(x, w, t, vocab, reduction, upstream, factor=1.25, slack=1e-3):
     ref64 = _run(linear_cross_entropy_reference, x.double(), w.double(), t, upstream.double(), **kw)
     torch_same_dtype = _run(linear_cross_entropy_reference, x, w, t, upstream, **kw)
     assert ours[1].dtype == x.dtype and ours[2].dtype == w.dtype
-    for name, o, r, p in zip(("loss", "dx", "dw"), ours, ref64, torch_same_dtype):
+    for name, o, r, p in zip(("loss", "dx", "dw"), ours, ref64, torch_same_dtype, strict=True):
         assert torch.isfinite(o).all(), name
         if r.abs().max() == 0:  # e.g. everything ignored: must be exactly zero too
             assert o.abs().max() == 0, name
@@ -116,7 +116,7 @@ def test_padded_rows_are_inert():
     w_bad = w.clone()
     w_bad[70:] = 3e4
     poisoned = _run(fused_linear_cross_entropy, x, w_bad, t, torch.tensor(1.0), vocab_size=70)
-    for a, b in zip(clean, poisoned):
+    for a, b in zip(clean, poisoned, strict=True):
         assert torch.equal(a, b)
     assert (poisoned[2][70:] == 0).all()
 
@@ -161,7 +161,7 @@ def test_torch_compile_traces_the_custom_op():
     compiled = _run(
         torch.compile(f, backend="aot_eager", fullgraph=True), x, w, t, torch.tensor(1.0)
     )
-    for a, b in zip(eager, compiled):
+    for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(a, b)
 
 
@@ -232,5 +232,5 @@ def test_gpu_many_chunks_fp32_master(monkeypatch):
             vocab_size=50257,
         )
     assert ws.grad.dtype == torch.float32 and (ws.grad[50257:] == 0).all()
-    for o, r, p in zip((loss, xs.grad, ws.grad), ref, tb):
+    for o, r, p in zip((loss, xs.grad, ws.grad), ref, tb, strict=True):
         assert _rel(o, r) <= 1.2 * _rel(p, r) + 2e-4

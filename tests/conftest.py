@@ -1,0 +1,80 @@
+"""Shared fixtures: a tiny token dataset and the settings of a tiny, fast training run."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+# Without a GPU, run the real Triton kernels in Triton's CPU interpreter. Set before anything
+# imports fused_loss: triton.jit reads it when the kernels are defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from data.shards import write_shard  # noqa: E402
+
+# A 2-layer, 32-wide GPT over the first 512 token ids (tiny_data uses no others), micro-batches of
+# 4 x 32 tokens, 2 micro-steps per optimizer step: ~42K parameters, a few ms per step on a CPU.
+# The torch loss: under TRITON_INTERPRET=1 the fused one runs in the (slow) Triton interpreter, and
+# tests/test_fused_loss.py covers it.
+TINY = [
+    "--vocab_size=512",
+    "--padded_vocab_size=512",
+    "--loss_impl='torch'",
+    "--n_layer=2",
+    "--n_head=2",
+    "--n_embd=32",
+    "--block_size=32",
+    "--batch_size=4",
+    "--total_batch_size=256",
+    "--warmup_steps=2",
+    "--learning_rate=3e-3",
+    "--val_tokens=512",
+    "--device=cpu",
+    "--dtype=float32",
+    "--compile=False",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A dataset directory in the data/ layout: one val shard and two train shards.
+
+    Tokens follow a noisy first-order chain over 64 ids below 512, so a model's loss falls fast
+    and far from ln(512) = 6.2, and every step sees different data.
+    """
+    d = tmp_path_factory.mktemp("tiny_data")
+    rng = np.random.default_rng(0)
+    vocab = rng.choice(512, size=64, replace=False)
+    nxt = rng.integers(0, 64, size=64)
+
+    def stream(n):
+        s = np.empty(n, dtype=np.int64)
+        s[0] = 0
+        for i in range(1, n):
+            s[i] = nxt[s[i - 1]] if rng.random() < 0.8 else rng.integers(0, 64)
+        return vocab[s]
+
+    write_shard(d / "tiny_val_000000.bin", stream(4096))
+    write_shard(d / "tiny_train_000001.bin", stream(20000))
+    write_shard(d / "tiny_train_000002.bin", stream(20000))
+    return d
+
+
+@pytest.fixture
+def tiny_args(tiny_data):
+    """train.py arguments for a tiny run on tiny_data (add out_dir, max_steps, ...)."""
+    return [*TINY, f"--dataset={tiny_data}"]
+
+
+def read_log(out_dir):
+    """(train loss by step, val loss by step) from out_dir/log.jsonl; a step logged twice fails."""
+    losses, vals = {}, {}
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            d = vals if "val_loss" in rec else losses
+            assert rec["step"] not in d, f"step {rec['step']} was logged twice"
+            d[rec["step"]] = rec.get("val_loss", rec.get("loss"))
+    return losses, vals

@@ -1,0 +1,168 @@
+"""Config loading, overrides and their errors; the lr schedule; the pure helpers of train.py."""
+
+import glob
+import math
+import os
+
+import pytest
+import torch
+
+import train
+from train import ConfigError, TrainConfig, get_lr, grad_accum_steps, load_config, peak_flops
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_no_arguments_give_the_dataclass_defaults():
+    assert load_config([]) == TrainConfig()
+
+
+def test_help_lists_every_setting(capsys):
+    train.main(["--help"])
+    text = capsys.readouterr().out
+    assert "torchrun" in text and all(f"--{k}=" in text for k in vars(TrainConfig()))
+
+
+def test_file_then_cli_overrides(tmp_path):
+    cfg_file = tmp_path / "x.py"
+    cfg_file.write_text(
+        "import math\n"
+        "_tokens = 2**20  # private helper: not a setting\n"
+        "total_batch_size = 2**12\n"
+        "max_steps = _tokens // total_batch_size\n"
+        "learning_rate = 3  # an int is fine for a float field\n"
+        "out_dir = 'runs/a'\n"
+    )
+    cfg = load_config([str(cfg_file), "--learning_rate=1e-4", "--device=cpu", "--resume"])
+    assert cfg.total_batch_size == 4096 and cfg.max_steps == 256
+    assert cfg.learning_rate == 1e-4 and isinstance(cfg.learning_rate, float)
+    assert cfg.out_dir == "runs/a" and cfg.device == "cpu" and cfg.resume is True
+    assert load_config([str(cfg_file)]).learning_rate == 3.0
+    assert load_config(["--compile=None"]).compile is None
+    assert load_config(["--compile=False"]).compile is False
+    assert load_config(["--out_dir=2024"]).out_dir == "2024"  # str fields take the text as is
+    assert load_config(["--wandb_run_name='a b'"]).wandb_run_name == "a b"
+
+
+def test_preset_sets_shape_and_explicit_keys_win():
+    cfg = load_config(["--model=gpt2-medium"])
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (24, 16, 1024, 1024)
+    cfg = load_config(["--model=124M", "--n_layer=2", "--block_size=64"])
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (2, 12, 768, 64)
+
+
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["--n_layr=3"], "n_layr"),
+        (["--n_layer=2.5"], "n_layer"),
+        (["--n_layer=True"], "n_layer"),  # a bool is not an int here
+        (["--n_layer=abc"], "n_layer"),
+        (["--learning_rate='fast'"], "learning_rate"),
+        (["--resume=1"], "resume"),
+        (["--n_layer"], "n_layer"),  # a bare flag only for bools
+        (["--compile=maybe"], "compile"),
+        (["--batch_size=0"], "batch_size"),
+        (["--max_steps=-1"], "max_steps"),
+        (["--final_lr_frac=2.0"], "final_lr_frac"),
+        (["--dtype=fp16"], "dtype"),
+        (["--model=gpt9"], "model"),
+    ],
+)
+def test_bad_cli_arguments_name_the_key(argv, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(argv)
+
+
+def test_bad_config_files(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("n_layers = 6\n")
+    with pytest.raises(ConfigError, match="n_layers"):
+        load_config([str(bad)])
+    bad.write_text("max_steps = 10e9 / 524288\n")  # float for an int field
+    with pytest.raises(ConfigError, match="max_steps"):
+        load_config([str(bad)])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config([str(tmp_path / "missing.py")])
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        load_config(["n_layer=3"])
+
+
+def test_grad_accum_steps():
+    assert grad_accum_steps(524288, 64, 1024, 8) == 1
+    assert grad_accum_steps(524288, 16, 1024, 1) == 32
+    with pytest.raises(ConfigError, match=r"total_batch_size=1000 .* 4 \* 32 \* 2 = 256"):
+        grad_accum_steps(1000, 4, 32, 2)
+
+
+def test_errors_stop_main_before_training(tmp_path):
+    with pytest.raises(ConfigError, match="total_batch_size"):
+        train.main(["--device=cpu", "--total_batch_size=1000", f"--out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="n_head"):
+        train.main(["--device=cpu", "--n_head=3", f"--out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="device"):
+        train.main(["--device=tpu", f"--out_dir={tmp_path}"])
+    assert not os.listdir(tmp_path)
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(learning_rate=1.0, final_lr_frac=0.1, warmup_steps=10, max_steps=110)
+    assert get_lr(0, cfg) == pytest.approx(0.1)  # linear warmup from lr/warmup
+    assert get_lr(9, cfg) == pytest.approx(1.0)
+    assert get_lr(10, cfg) == pytest.approx(1.0)  # cosine starts at the peak
+    assert get_lr(60, cfg) == pytest.approx(0.55)  # halfway: mean of peak and floor
+    assert get_lr(110, cfg) == pytest.approx(0.1)
+    lrs = [get_lr(s, cfg) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    expected = 0.1 + 0.45 * (1 + math.cos(math.pi * 0.25))
+    assert get_lr(35, cfg) == pytest.approx(expected)
+
+
+def test_peak_flops_lookup():
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA H200") == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("NVIDIA L4") == 121e12
+    assert peak_flops("NVIDIA L40S") == 362e12 and peak_flops("NVIDIA L40") == 181e12
+    assert peak_flops("NVIDIA GH200 480GB") == 989e12
+    assert peak_flops("cpu") is None
+    assert peak_flops("Some Future GPU") is None
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*.py"))))
+def test_shipped_configs_load_and_divide(path):
+    cfg = load_config([path])
+    for world_size in (1, 8):
+        grad_accum_steps(cfg.total_batch_size, cfg.batch_size, cfg.block_size, world_size)
+    assert cfg.warmup_steps < cfg.max_steps
+
+
+def test_recipes_match_llmc():
+    def load(name):
+        return load_config([os.path.join(REPO, "configs", name)])
+
+    c = load("gpt2_124m_fineweb.py")
+    assert (c.n_layer, c.n_embd, c.total_batch_size, c.learning_rate) == (12, 768, 524288, 6e-4)
+    assert (c.warmup_steps, c.weight_decay, c.final_lr_frac) == (700, 0.1, 0.0)
+    assert 9.8e9 < c.max_steps * c.total_batch_size < 10.1e9
+    c = load("gpt2_350m_fineweb.py")
+    assert (c.n_layer, c.n_embd, c.learning_rate) == (24, 1024, 3e-4)
+    assert round(c.max_steps * c.total_batch_size / 1e9, 1) == 31.5
+    c = load("gpt2_774m_fineweb.py")
+    assert (c.n_layer, c.n_embd, c.learning_rate) == (36, 1280, 2.5e-4)
+    assert round(c.max_steps * c.total_batch_size / 1e9) == 150
+    c = load("gpt2_1558m_fineweb_edu.py")
+    assert (c.n_layer, c.n_embd, c.total_batch_size) == (48, 1600, 1048576)
+    assert (c.learning_rate, c.final_lr_frac) == (6e-4, 0.1)
+    assert round(c.max_steps * c.total_batch_size / 1e9, 1) == 33.6  # 32000 x 2**20
+
+
+def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
+    for step in (10, 20, 30, 40):
+        train.save_checkpoint({"step": step, "w": torch.full((3,), float(step))}, tmp_path, step, 2)
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["ckpt_0000030.pt", "ckpt_0000040.pt"]  # no .tmp left, oldest pruned
+    latest = train.list_checkpoints(tmp_path)[-1]
+    ckpt = train.load_checkpoint(latest)
+    assert ckpt["step"] == 40 and torch.equal(ckpt["w"], torch.full((3,), 40.0))

@@ -1,0 +1,89 @@
+"""2-process DDP (gloo, CPU) under torchrun == 1 process with twice the gradient accumulation."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train
+from conftest import read_log
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_ddp_matches_single_process_accumulation(tiny_args, tmp_path):
+    # total_batch_size 256 = B 4 x T 32 x (1 rank x 2 micro-steps | 2 ranks x 1 micro-step): the
+    # same tokens per step, as the loader gives rank r the window after rank r-1's
+    args = tiny_args + ["--max_steps=6", "--eval_interval=3", "--ckpt_interval=3"]
+    single, multi = tmp_path / "single", tmp_path / "ddp"
+    train.main(args + [f"--out_dir={single}"])
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        *args,
+        f"--out_dir={multi}",
+    ]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "grad_accum 1 = 256" in out and "x 2 | float32" in out
+    assert out.count("config:") == 1  # rank 0 alone prints (and writes)
+    assert "Traceback" not in out
+
+    a, a_val = read_log(single)
+    b, b_val = read_log(multi)
+    assert sorted(b) == list(range(6)) and sorted(b_val) == [0, 3, 6]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    for step in a_val:
+        assert b_val[step] == pytest.approx(a_val[step], rel=1e-5, abs=1e-6), step
+    ckpt = torch.load(multi / "ckpt_0000006.pt", weights_only=True)
+    assert len(ckpt["rng"]["torch"]) == 2  # each rank's RNG, for an exact resume
+    ref = torch.load(single / "ckpt_0000006.pt", weights_only=True)
+    for k, v in ref["model"].items():
+        torch.testing.assert_close(ckpt["model"][k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_ddp_sigterm_to_torchrun_saves_then_resumes_on_one_process(tiny_args, tmp_path):
+    """torchrun forwards SIGTERM to both workers; they agree on a step, rank 0 saves, both exit.
+    The checkpoint then resumes in a single process (the data position carries over)."""
+    out = tmp_path / "out"
+    args = tiny_args + [f"--out_dir={out}", "--eval_interval=0", "--ckpt_interval=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        *args,
+        "--max_steps=100000",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    log = out / "log.jsonl"
+    t0 = time.time()
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.time() - t0 < 120, proc.communicate()[0]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # to the torchrun agent, as a scheduler would
+    text = proc.communicate(timeout=120)[0]
+    assert text.count("signal 15: finishing this step") == 2, text  # both workers
+    ckpts = train.list_checkpoints(out)
+    assert len(ckpts) == 1, text
+    step = torch.load(ckpts[0], weights_only=True)["step"]
+    assert max(read_log(out)[0]) == step - 1
+
+    train.main(args + [f"--max_steps={step + 2}", "--resume"])
+    losses, _ = read_log(out)
+    assert sorted(losses) == list(range(step + 2))

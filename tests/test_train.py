@@ -1,0 +1,250 @@
+"""End-to-end runs of train.py on CPU with a tiny model: smoke, exact resume after a kill,
+Ctrl-C, non-finite loss, OOM hint, the loss plot, wandb."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train
+from conftest import read_log
+from model import GPT
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CKPT_KEYS = {
+    "model",
+    "model_config",
+    "train_config",
+    "optimizer",
+    "step",
+    "loader",
+    "rng",
+    "val_loss",
+}
+
+
+def launch(args, **kw):
+    """train.py in a child process (for signals and kills), output to a pipe."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # same thread count as in-process runs
+    return subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        **kw,
+    )
+
+
+def wait_for(path, proc, timeout=120):
+    t0 = time.time()
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.time() - t0 > timeout:
+            out = proc.communicate(timeout=30)[0] if proc.poll() is not None else ""
+            raise AssertionError(f"{path} never appeared; rc={proc.poll()}\n{out}")
+        time.sleep(0.05)
+
+
+def test_default_config_smoke(tmp_path, capsys):
+    """The default run (embedded data, default model shape) for a few steps, plus a sample."""
+    out = tmp_path / "out"
+    train.main(
+        [
+            "--max_steps=3",
+            "--batch_size=2",
+            "--block_size=64",
+            "--total_batch_size=256",
+            "--eval_interval=2",
+            "--val_tokens=256",
+            "--sample_interval=2",
+            "--sample_tokens=8",
+            f"--out_dir={out}",
+            "--device=cpu",
+            "--loss_impl=torch",  # the fused loss would run in the Triton interpreter here
+        ]
+    )
+    text = capsys.readouterr().out
+    assert "tokens/step = batch_size 2 x T 64 x world_size 1 x grad_accum 2 = 256" in text
+    assert "git " in text and "torch " in text and "sample at step 2" in text
+    for key in ("step      1/3", "loss ", "lr ", "norm ", " ms", "tok/s"):
+        assert key in text
+    losses, vals = read_log(out)
+    assert sorted(losses) == [0, 1, 2] and sorted(vals) == [0, 2, 3]
+    assert all(v == v and v < 11.5 for v in [*losses.values(), *vals.values()])
+    assert sorted(os.listdir(out)) == ["ckpt_0000003.pt", "log.jsonl"]
+    model, ckpt = GPT.from_checkpoint(out / "ckpt_0000003.pt")
+    assert CKPT_KEYS <= set(ckpt) and ckpt["step"] == 3 and ckpt["val_loss"] == vals[3]
+    assert ckpt["train_config"]["max_steps"] == 3 and model.config.n_layer == 4
+
+
+def test_loss_drops_and_log_records(tiny_args, tmp_path):
+    out = tmp_path / "out"
+    train.main(tiny_args + [f"--out_dir={out}", "--max_steps=30", "--eval_interval=10"])
+    losses, vals = read_log(out)
+    assert sorted(losses) == list(range(30)) and sorted(vals) == [0, 10, 20, 30]
+    assert losses[0] > 6.0 and losses[29] < losses[0] - 1.5  # ln(512) down towards the chain's
+    assert vals[30] < vals[0] - 1.5
+    rec = json.loads((out / "log.jsonl").read_text().splitlines()[1])
+    assert set(rec) == {"step", "loss", "lr", "grad_norm", "ms", "tok_per_s", "mfu"}
+    assert rec["mfu"] is None  # no peak FLOP/s for a CPU
+
+
+def test_exact_resume_after_kill(tiny_args, tmp_path):
+    """N steps straight == k steps, SIGKILL, --resume to N: same loss at every step, same weights.
+    Dropout is on, so this also checks that the RNG state is restored."""
+    args = tiny_args + ["--max_steps=12", "--dropout=0.1", "--eval_interval=4"]
+    straight = tmp_path / "straight"
+    train.main(args + [f"--out_dir={straight}", "--ckpt_interval=0"])
+
+    killed = tmp_path / "killed"
+    proc = launch(args + [f"--out_dir={killed}", "--ckpt_interval=4", "--keep_last=0"])
+    wait_for(killed / "ckpt_0000004.pt", proc)
+    proc.kill()  # SIGKILL: no handler, no cleanup, whatever step it was in
+    proc.communicate(timeout=60)
+    for later in ("ckpt_0000008.pt", "ckpt_0000012.pt"):  # in case it got that far first
+        if (killed / later).exists():
+            os.remove(killed / later)
+    train.main(args + [f"--out_dir={killed}", "--ckpt_interval=4", "--resume"])
+
+    a, a_val = read_log(straight)
+    b, b_val = read_log(killed)
+    assert sorted(b) == list(range(12))
+    assert b == a  # exact: same floats at every step
+    assert b_val == a_val
+    sa = torch.load(straight / "ckpt_0000012.pt", weights_only=True)
+    sb = torch.load(killed / "ckpt_0000012.pt", weights_only=True)
+    assert all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
+
+
+def test_ctrl_c_saves_and_exits_zero_then_resumes(tiny_args, tmp_path):
+    """SIGINT (Ctrl-C) here; SIGTERM, forwarded by torchrun, in test_ddp.py."""
+    out = tmp_path / "out"
+    args = tiny_args + [f"--out_dir={out}", "--eval_interval=0", "--ckpt_interval=0"]
+    proc = launch(args + ["--max_steps=100000"])
+    wait_for(out / "log.jsonl", proc)
+    while len((out / "log.jsonl").read_text().splitlines()) < 3:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    text = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, text
+    ckpts = train.list_checkpoints(out)
+    assert len(ckpts) == 1 and "saved" in text
+    step = torch.load(ckpts[0], weights_only=True)["step"]
+    losses, _ = read_log(out)
+    assert max(losses) == step - 1  # the step in flight finished and was saved
+    train.main(args + [f"--max_steps={step + 2}", "--resume"])
+    losses, _ = read_log(out)
+    assert sorted(losses) == list(range(step + 2))
+
+
+def test_resume_rules(tiny_args, tmp_path):
+    args = tiny_args + [f"--out_dir={tmp_path}", "--max_steps=1"]
+    train.main(args + ["--resume"])  # nothing to resume: starts from step 0
+    assert sorted(read_log(tmp_path)[0]) == [0]
+    with pytest.raises(train.ConfigError, match="--resume"):  # a fresh run would mix with them
+        train.main(args)
+    with pytest.raises(train.ConfigError, match="n_embd"):
+        train.main(args + ["--resume", "--n_embd=64"])
+
+
+def test_non_finite_loss_stops_without_saving(tiny_args, tmp_path, monkeypatch):
+    calls = []
+
+    class PoisonedGPT(GPT):
+        def forward(self, idx, targets=None):
+            loss = super().forward(idx, targets)
+            calls.append(1)
+            return loss * float("nan") if self.training and len(calls) > 6 else loss
+
+    monkeypatch.setattr(train, "GPT", PoisonedGPT)
+    args = tiny_args + [
+        f"--out_dir={tmp_path}",
+        "--max_steps=10",
+        "--eval_interval=0",
+        "--ckpt_interval=2",
+    ]
+    with pytest.raises(SystemExit, match="not finite"):
+        train.main(args)
+    # 6 good micro-steps = 3 steps; step 3 is poisoned; checkpoints only of finite states
+    assert [os.path.basename(p) for p in train.list_checkpoints(tmp_path)] == ["ckpt_0000002.pt"]
+
+
+def test_oom_error_suggests_a_smaller_micro_batch(tiny_args, tmp_path, monkeypatch):
+    def oom(self, *a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(GPT, "forward", oom)
+    with pytest.raises(torch.OutOfMemoryError, match="--batch_size=2"):
+        train.main(tiny_args + [f"--out_dir={tmp_path}", "--max_steps=1", "--eval_interval=0"])
+
+
+def test_plot_loss(tiny_args, tmp_path):
+    out = tmp_path / "out"
+    train.main(tiny_args + [f"--out_dir={out}", "--max_steps=4", "--eval_interval=2"])
+    png = tmp_path / "loss.png"
+    res = subprocess.run(
+        [sys.executable, "bench/plot_loss.py", str(out / "log.jsonl"), "-o", str(png)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert res.returncode != 0 and "pip install matplotlib" in res.stderr
+    else:
+        assert res.returncode == 0, res.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_wandb_offline(tiny_args, tmp_path):
+    pytest.importorskip("wandb")
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
+    args = tiny_args + [f"--out_dir={tmp_path / 'out'}", "--max_steps=2", "--wandb=True"]
+    res = subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=REPO,
+        env=env,
+        timeout=300,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    runs = list((tmp_path / "wandb").glob("offline-run-*/*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+def test_hellaswag_logged_with_val_loss(tiny_args, tmp_path):
+    from data import hellaswag
+
+    fixture = os.path.join(REPO, "tests", "fixtures", "hellaswag_sample.jsonl")
+    out = tmp_path / "out"
+    args = tiny_args + [
+        "--vocab_size=50257",
+        "--padded_vocab_size=50304",
+        f"--out_dir={out}",
+        "--max_steps=2",
+        "--eval_interval=2",
+        "--hellaswag=True",
+        f"--hellaswag_path={fixture}",
+    ]
+    train.main(args)
+    recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    hs = {r["step"]: r["hellaswag_acc_norm"] for r in recs if "val_loss" in r}
+    assert sorted(hs) == [0, 2]
+    model, _ = GPT.from_checkpoint(str(out))  # the step-2 weights, scored on their own
+    assert hs[2] == hellaswag.evaluate(model, fixture, torch.device("cpu"))["acc_norm"]
+    with pytest.raises(train.ConfigError, match="hellaswag download"):
+        train.main(
+            args[:-1]
+            + [f"--hellaswag_path={tmp_path / 'missing.jsonl'}", f"--out_dir={tmp_path / 'o2'}"]
+        )

@@ -1,0 +1,659 @@
+"""Train a GPT-2 on token shards, on one CPU/GPU or many GPUs under torchrun.
+
+    python train.py                                   # small model on the embedded data (CPU ok)
+    python train.py configs/gpt2_124m_fineweb.py --batch_size=32 --resume
+    torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m_fineweb.py
+
+Settings are the fields of `TrainConfig`; a config file sets some of them with plain
+`name = value` lines, then `--name=value` arguments override (parsed as Python literals).
+Checkpoints go to out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest one.
+"""
+
+import ast
+import contextlib
+import dataclasses
+import glob
+import json
+import math
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import time
+import types
+import typing
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from data import hellaswag, resolve_dataset
+from data.loader import DataLoader, iter_val_batches
+from data.tokenizer import EOT, get_tokenizer
+from model import GPT, GPTConfig, pick_device
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a run. The defaults train a 4-layer GPT on the embedded text in about
+    3.5 minutes on a 2-core CPU (bench/notes_train.md); configs/ holds the real recipes."""
+
+    # data: "embedded" (small text shipped in the repo) or a directory of llm.c shards
+    dataset: str = "embedded"
+    # model: a preset ("gpt2"/"124M", ..., "gpt2-xl") sets the shape fields below unless they are
+    # given explicitly too; "" leaves them as written here
+    model: str = ""
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 128  # also the training sequence length T
+    vocab_size: int = 50257
+    padded_vocab_size: int = 50304
+    dropout: float = 0.0
+    bias: bool = True
+    loss_impl: str = "fused"  # "fused" or "torch" (the reference that materialises logits)
+    # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
+    batch_size: int = 8
+    total_batch_size: int = 1024
+    max_steps: int = 300
+    # optimizer: AdamW; linear warmup, then cosine to learning_rate * final_lr_frac
+    learning_rate: float = 2e-3
+    final_lr_frac: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping
+    # evaluation and samples (0 disables the interval; val still runs after the last step)
+    eval_interval: int = 50
+    val_tokens: int = 8192  # tokens per validation pass, split over ranks
+    sample_interval: int = 150
+    sample_tokens: int = 48
+    # HellaSwag acc_norm next to each val loss (data file: python -m data.hellaswag download)
+    hellaswag: bool = False
+    hellaswag_path: str = ""  # "" -> data/cache/hellaswag/hellaswag_val.jsonl
+    # checkpoints and logs
+    out_dir: str = "out"
+    ckpt_interval: int = 100  # 0: only at the end (and on SIGTERM/SIGINT)
+    keep_last: int = 3
+    resume: bool = False  # continue from the newest checkpoint in out_dir
+    wandb: bool = False
+    wandb_project: str = "gpt2"
+    wandb_run_name: str = ""
+    # system
+    device: str = "auto"  # "auto", "cpu", "cuda"
+    dtype: str = "auto"  # "auto" (bfloat16 autocast on CUDA, float32 on CPU), "bfloat16", "float32"
+    compile: bool | None = None  # None: on for CUDA, off on CPU
+    seed: int = 1337
+
+
+# TrainConfig fields that a preset sets, and all those that make up the GPTConfig
+PRESET_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padded_vocab_size")
+MODEL_KEYS = PRESET_KEYS + ("dropout", "bias", "loss_impl")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration
+
+
+def _check_type(key, value, typ):
+    """Return value as the field's type (int -> float is the only conversion), else raise."""
+    allowed = typing.get_args(typ) if isinstance(typ, types.UnionType) else (typ,)
+    for t in allowed:
+        if t is type(None) and value is None:
+            return value
+        if t is float and type(value) is int:
+            return float(value)
+        if type(value) is t:  # exact: a bool is not accepted as an int
+            return value
+    names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+    raise ConfigError(f"config key {key!r} expects {names}, got {value!r} ({type(value).__name__})")
+
+
+def _parse_arg(key, text, typ):
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        if typ is not str:
+            raise ConfigError(f"config key {key!r}: cannot parse {text!r} as a value") from None
+        value = text  # a bare word for a str field: --device=cuda
+    if typ is str and not isinstance(value, str):
+        value = text  # --out_dir=2024 means the string "2024"
+    return value
+
+
+def load_config(argv):
+    """argv: [config.py ...] [--key=value | --flag ...] -> TrainConfig."""
+    fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    overrides = {}
+    for arg in argv:
+        if arg.startswith("--"):
+            key, eq, text = arg[2:].partition("=")
+            if key not in fields:
+                raise ConfigError(f"unknown config key {key!r} (from {arg!r})")
+            if not eq:
+                if fields[key] not in (bool, bool | None):
+                    raise ConfigError(f"config key {key!r} needs a value: --{key}=...")
+                overrides[key] = True
+            else:
+                overrides[key] = _check_type(key, _parse_arg(key, text, fields[key]), fields[key])
+        elif arg.endswith(".py"):
+            if not os.path.isfile(arg):
+                raise ConfigError(f"config file {arg!r} not found")
+            for key, value in runpy.run_path(arg).items():
+                # modules, functions and _private helpers are not settings
+                if key.startswith("_") or callable(value) or isinstance(value, types.ModuleType):
+                    continue
+                if key not in fields:
+                    raise ConfigError(f"unknown config key {key!r} in {arg}")
+                overrides[key] = _check_type(key, value, fields[key])
+        else:
+            raise ConfigError(f"unexpected argument {arg!r}: expected a config .py or --key=value")
+    values = {}
+    if overrides.get("model"):
+        try:
+            preset = asdict(GPTConfig.from_preset(overrides["model"]))
+        except ValueError as e:
+            raise ConfigError(f"config key 'model': {e}") from None
+        values.update({k: preset[k] for k in PRESET_KEYS})
+    values.update(overrides)
+    cfg = TrainConfig(**values)
+    _check_ranges(cfg)
+    return cfg
+
+
+def _check_ranges(cfg):
+    positive = ("batch_size", "block_size", "total_batch_size", "learning_rate", "val_tokens")
+    non_negative = (
+        "max_steps",
+        "warmup_steps",
+        "weight_decay",
+        "grad_clip",
+        "eval_interval",
+        "sample_interval",
+        "sample_tokens",
+        "ckpt_interval",
+        "keep_last",
+    )
+    for key in positive + non_negative:
+        value = getattr(cfg, key)
+        if value < 0 or (value == 0 and key in positive):
+            need = "> 0" if key in positive else ">= 0"
+            raise ConfigError(f"config key {key!r} must be {need}, got {value!r}")
+    if not 0.0 <= cfg.final_lr_frac <= 1.0:
+        raise ConfigError(f"config key 'final_lr_frac' must be in [0, 1], got {cfg.final_lr_frac}")
+    if cfg.dtype not in ("auto", "bfloat16", "float32"):
+        raise ConfigError(f"config key 'dtype': auto, bfloat16 or float32, not {cfg.dtype!r}")
+
+
+def grad_accum_steps(total_batch_size, batch_size, seq_len, world_size):
+    per_micro = batch_size * seq_len * world_size
+    if total_batch_size <= 0 or total_batch_size % per_micro:
+        raise ConfigError(
+            f"total_batch_size={total_batch_size} must be a positive multiple of batch_size * T * "
+            f"world_size = {batch_size} * {seq_len} * {world_size} = {per_micro}"
+        )
+    return total_batch_size // per_micro
+
+
+def get_lr(step, cfg):
+    """Linear warmup over warmup_steps, then cosine down to learning_rate * final_lr_frac."""
+    max_lr, min_lr = cfg.learning_rate, cfg.learning_rate * cfg.final_lr_frac
+    if step < cfg.warmup_steps:
+        return max_lr * (step + 1) / cfg.warmup_steps
+    if step >= cfg.max_steps:
+        return min_lr
+    ratio = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def list_checkpoints(out_dir):
+    """Checkpoint paths in out_dir, oldest first (names are zero-padded, so sorting is by step)."""
+    return sorted(glob.glob(os.path.join(out_dir, "ckpt_[0-9]*.pt")))
+
+
+def save_checkpoint(obj, out_dir, step, keep_last):
+    """Write out_dir/ckpt_{step:07d}.pt atomically, then delete all but the newest keep_last."""
+    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # a crash leaves either the old file set or the complete new file
+    dir_fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+    if keep_last > 0:
+        for old in list_checkpoints(out_dir)[:-keep_last]:
+            os.remove(old)
+    return path
+
+
+def load_checkpoint(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def rng_state(device):
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+    }
+
+
+def set_rng_state(state, rank, device):
+    """state: {"torch": [per-rank CPU RNG state], "cuda": [per-rank CUDA RNG state or None]}."""
+    torch.set_rng_state(state["torch"][rank])
+    if device.type == "cuda" and state["cuda"][rank] is not None:
+        torch.cuda.set_rng_state(state["cuda"][rank], device)
+
+
+# ----------------------------------------------------------------------------------------------
+# logging and hardware facts
+
+# Dense bf16 tensor-core peak FLOP/s by substring of torch.cuda.get_device_name(), most specific
+# first (vendor spec sheets, no sparsity).
+PEAK_BF16_FLOPS = (
+    ("h100 pcie", 756e12),
+    ("h100 nvl", 835e12),
+    ("h200 nvl", 835e12),
+    ("h100", 989e12),  # SXM
+    ("h200", 989e12),  # SXM, and GH200
+    ("a100", 312e12),
+    ("l40s", 362e12),
+    ("l40", 181e12),
+    ("l4", 121e12),
+    ("rtx 4090", 165e12),
+    ("mi300x", 1307e12),
+)
+
+
+def peak_flops(device_name):
+    """bf16 dense peak FLOP/s for a GPU name, or None when unknown (MFU is then not reported)."""
+    name = (device_name or "").lower()
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in name:
+            return flops
+    return None
+
+
+def every(step, interval):
+    return interval > 0 and step % interval == 0
+
+
+def triton_version():
+    try:
+        import triton  # absent on some CPU-only installs; training does not need it there
+    except ImportError:
+        return "not installed"
+    return triton.__version__
+
+
+def git_sha():
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            timeout=10,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def format_step(rec, max_steps):
+    line = (
+        f"step {rec['step']:6d}/{max_steps} | loss {rec['loss']:.6f} | lr {rec['lr']:.2e} | "
+        f"norm {rec['grad_norm']:.4f} | {rec['ms']:.1f} ms | {rec['tok_per_s']:,.0f} tok/s"
+    )
+    if rec.get("mfu") is not None:
+        line += f" | MFU {100 * rec['mfu']:.1f}%"
+    return line
+
+
+class _StopFlag:
+    """SIGTERM/SIGINT set a flag: the loop finishes its step, saves and exits. A second Ctrl-C
+    kills at once; repeated SIGTERMs (a launcher forwarding one) only set the flag again."""
+
+    def __init__(self):
+        self.requested = False
+        self.seen = set()
+
+    def __call__(self, signum, frame):
+        if signum == signal.SIGINT and signum in self.seen:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.requested = True
+        self.seen.add(signum)
+        print(f"signal {signum}: finishing this step, saving a checkpoint, exiting", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def trim_log(path, step):
+    """Drop the records a run resumed at `step` writes again (train steps >= step, val > step)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    keep = [r for r in recs if r["step"] < step or ("val_loss" in r and r["step"] == step)]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in keep)
+    os.replace(path + ".tmp", path)
+
+
+def build_optimizer(model, cfg, device):
+    """AdamW; weight decay only on >= 2-D tensors (matmul weights, embeddings), not on biases or
+    LayerNorm gains; the fused kernel on CUDA."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    betas = (cfg.beta1, cfg.beta2)
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=1e-8, fused=fused)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        defaults = "\n".join(f"  --{k}={v!r}" for k, v in asdict(TrainConfig()).items())
+        print(f"{__doc__}\nSettings and their defaults:\n{defaults}")
+        return
+    cfg = load_config(argv)
+
+    # --- processes and devices
+    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # set by torchrun
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    try:
+        device = pick_device(cfg.device)
+    except ValueError as e:
+        raise ConfigError(f"config key 'device': {e}") from None
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank if ddp else (device.index or 0))
+        torch.cuda.set_device(device)
+    if ddp:
+        backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+        dist.init_process_group(backend=backend, device_id=device_id)
+    master = rank == 0
+
+    def print0(*args):
+        if master:
+            print(*args, flush=True)
+
+    log_file = run = None
+    old_handlers = {}
+    try:
+        T = cfg.block_size
+        grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
+        dtype = cfg.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device.type == "cuda" else "float32"
+        use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+        # fp32 weights and optimizer state, bf16 matmuls under autocast: as fast as bf16 weights
+        # with an fp32 master copy on an H200, and simpler (bench/notes_train.md)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+        torch.manual_seed(cfg.seed + rank)  # per rank, so dropout masks differ across ranks
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+        # --- data: one process per node first, as "embedded" is prepared on first use
+        if local_rank == 0:
+            train_glob, val_glob = resolve_dataset(cfg.dataset)
+        if ddp:
+            dist.barrier()
+        if local_rank != 0:
+            train_glob, val_glob = resolve_dataset(cfg.dataset)
+        loader = DataLoader(train_glob, cfg.batch_size, T, rank, world_size, device=device)
+        hs_path = cfg.hellaswag_path or str(hellaswag.DEFAULT_PATH)
+        if cfg.hellaswag and not os.path.isfile(hs_path):
+            raise ConfigError(
+                f"hellaswag=True but {hs_path} is missing: run python -m data.hellaswag download"
+            )
+
+        # --- model, optimizer, and the newest checkpoint when resuming
+        try:
+            model_config = GPTConfig(**{k: getattr(cfg, k) for k in MODEL_KEYS})
+        except ValueError as e:
+            raise ConfigError(f"model settings: {e}") from None
+        raw_model = GPT(model_config).to(device)
+        optimizer = build_optimizer(raw_model, cfg, device)
+        start_step, ckpts, notes = 0, list_checkpoints(cfg.out_dir), []
+        if ckpts and not cfg.resume:
+            raise ConfigError(
+                f"out_dir {cfg.out_dir!r} already holds checkpoints ({ckpts[-1]}); "
+                "pass --resume to continue, or choose another out_dir"
+            )
+        if cfg.resume and ckpts:
+            ckpt = load_checkpoint(ckpts[-1])
+            saved = ckpt["model_config"]
+            differ = [k for k, v in asdict(model_config).items() if saved.get(k) != v]
+            if differ:
+                raise ConfigError(f"model config differs from {ckpts[-1]}'s in {differ}")
+            raw_model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            loader.load_state_dict(ckpt["loader"])  # one position for all ranks, any world size
+            start_step = ckpt["step"]
+            notes.append(f"resumed from {ckpts[-1]} at step {start_step}")
+            if len(ckpt["rng"]["torch"]) == world_size:
+                set_rng_state(ckpt["rng"], rank, device)
+            else:  # the data order still continues exactly; dropout masks cannot
+                torch.manual_seed(cfg.seed + rank + world_size * start_step)
+                notes.append(
+                    f"it was written by {len(ckpt['rng']['torch'])} ranks, not "
+                    f"{world_size}: RNG re-seeded, the run is not bit-identical"
+                )
+            del ckpt
+        elif cfg.resume:
+            notes.append(f"--resume: no checkpoint in {cfg.out_dir!r}, starting at step 0")
+        model = torch.compile(raw_model) if use_compile else raw_model
+        train_model = model
+        if ddp:
+            train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+        # --- start-up report: enough to reproduce the run
+        tokens_per_step = cfg.batch_size * T * world_size * grad_accum
+        flops_per_step = raw_model.flops_per_token() * tokens_per_step
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        peak = peak_flops(device_name) if dtype == "bfloat16" else None
+        if master:
+            print0("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in asdict(cfg).items()))
+            print0(
+                f"git {git_sha()} | torch {torch.__version__} | triton {triton_version()} | "
+                f"cuda {torch.version.cuda} | {device_name} x {world_size} | {dtype} | "
+                f"compile {use_compile}"
+            )
+            print0(
+                f"params {raw_model.num_params(non_embedding=False):,} | train {train_glob}"
+                f" | val {val_glob}"
+            )
+            print0(
+                f"tokens/step = batch_size {cfg.batch_size} x T {T} x world_size {world_size}"
+                f" x grad_accum {grad_accum} = {tokens_per_step:,}; {cfg.max_steps} steps = "
+                f"{tokens_per_step * cfg.max_steps:,} tokens"
+            )
+            for note in notes:
+                print0(note)
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            log_path = os.path.join(cfg.out_dir, "log.jsonl")
+            trim_log(log_path, start_step)
+            log_file = open(log_path, "a")  # closed in the finally below
+            if cfg.wandb:
+                try:
+                    import wandb
+                except ImportError as e:
+                    raise ConfigError("wandb=True needs wandb: pip install wandb") from e
+                name = cfg.wandb_run_name or None
+                run = wandb.init(project=cfg.wandb_project, name=name, config=asdict(cfg))
+
+        def log(rec):
+            if master:
+                log_file.write(json.dumps(rec) + "\n")
+                log_file.flush()
+                if run is not None:
+                    run.log({k: v for k, v in rec.items() if v is not None}, step=rec["step"])
+
+        def evaluate():
+            model.eval()
+            total, count = torch.zeros((), device=device), 0
+            batches = iter_val_batches(
+                val_glob,
+                cfg.batch_size,
+                T,
+                rank,
+                world_size,
+                max_tokens=cfg.val_tokens,
+                device=device,
+            )
+            with torch.no_grad(), autocast:
+                for x, y in batches:
+                    total += model(x, y)
+                    count += 1
+            model.train()
+            stats = torch.stack([total, torch.tensor(float(count), device=device)])
+            if ddp:
+                dist.all_reduce(stats)  # every rank has the same number of batches
+            return (stats[0] / stats[1]).item()
+
+        def checkpoint(step, val_loss):
+            rngs = [rng_state(device)]
+            if ddp:  # each rank's RNG (dropout masks differ by rank), so a resume restores all
+                rngs = [None] * world_size
+                dist.all_gather_object(rngs, rng_state(device))
+            if master:
+                ckpt = {
+                    "model": raw_model.state_dict(),
+                    "model_config": asdict(model_config),
+                    "train_config": asdict(cfg),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "loader": loader.state_dict(),  # the same on every rank
+                    "rng": {k: [r[k] for r in rngs] for k in rngs[0]},  # lists by rank
+                    "val_loss": val_loss,
+                }
+                print0(f"saved {save_checkpoint(ckpt, cfg.out_dir, step, cfg.keep_last)}")
+
+        # --- the loop; eval, samples, checkpoints at the top so they also follow the last step
+        stop = _StopFlag()
+        old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        stop_all = False  # stop.requested on any rank, agreed through the all-reduce below
+        val_loss = None
+        for step in range(start_step, cfg.max_steps + 1):
+            last_step = step == cfg.max_steps
+            fresh = step > start_step or start_step == 0  # a resumed run did its first top
+            if fresh and (last_step or every(step, cfg.eval_interval)):
+                val_loss = evaluate()
+                rec, msg = {"step": step, "val_loss": val_loss}, f"val loss {val_loss:.6f}"
+                if (
+                    cfg.hellaswag
+                ):  # raw_model: its varying row lengths would recompile a compiled one
+                    hs = hellaswag.evaluate(
+                        raw_model,
+                        hs_path,
+                        device,
+                        rank,
+                        world_size,
+                        autocast_dtype=torch.bfloat16 if dtype == "bfloat16" else None,
+                    )
+                    rec["hellaswag_acc_norm"] = hs["acc_norm"]
+                    msg += f" | hellaswag acc_norm {hs['acc_norm']:.4f}"
+                print0(f"step {step:6d}/{cfg.max_steps} | {msg}")
+                log(rec)
+            if master and fresh and step > 0 and every(step, cfg.sample_interval):
+                print0(f"sample at step {step}: {sample_text(raw_model, autocast, cfg, step)!r}")
+            if fresh and step > 0 and (last_step or stop_all or every(step, cfg.ckpt_interval)):
+                checkpoint(step, val_loss)
+            if last_step or stop_all:
+                break
+
+            t0 = time.perf_counter()
+            lr = get_lr(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(grad_accum):
+                x, y = loader.next_batch()
+                sync = not ddp or micro == grad_accum - 1  # all-reduce grads once per step
+                with contextlib.nullcontext() if sync else train_model.no_sync(), autocast:
+                    loss = train_model(x, y) / grad_accum
+                loss.backward()
+                loss_sum += loss.detach()
+            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+            norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            stats = torch.stack([loss_sum, torch.tensor(float(stop.requested), device=device)])
+            if ddp:
+                dist.all_reduce(stats)  # loss summed over ranks; a stop on any rank stops all
+            loss_val, stop_all = stats[0].item() / world_size, bool(stats[1].item() > 0)
+            norm_val = norm.item()
+            dt = time.perf_counter() - t0
+            if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
+                raise SystemExit(
+                    f"error: step {step}: loss {loss_val}, grad norm {norm_val}: not finite. "
+                    "Stopped without saving; the last checkpoint is intact. Try a lower "
+                    "learning_rate or more warmup_steps."
+                )
+            mfu = flops_per_step / dt / (peak * world_size) if peak else None
+            rec = {
+                "step": step,
+                "loss": loss_val,
+                "lr": lr,
+                "grad_norm": norm_val,
+                "ms": 1000 * dt,
+                "tok_per_s": tokens_per_step / dt,
+                "mfu": mfu,
+            }
+            print0(format_step(rec, cfg.max_steps))
+            log(rec)
+    except torch.OutOfMemoryError as e:
+        raise torch.OutOfMemoryError(
+            f"{e}\nHint: lower the micro-batch, e.g. --batch_size={max(1, cfg.batch_size // 2)}; "
+            f"total_batch_size stays {cfg.total_batch_size} through more gradient accumulation."
+        ) from e
+    finally:
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+        if log_file is not None:
+            log_file.close()
+        if run is not None:
+            run.finish()
+        if ddp and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def sample_text(raw_model, autocast, cfg, step):
+    """Text generated after an EOT prompt, with its own generator so that sampling never moves
+    the training RNG (a resumed run would diverge otherwise)."""
+    device = next(raw_model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + step)
+    idx = torch.full((1, 1), EOT, dtype=torch.long, device=device)
+    raw_model.eval()
+    with torch.no_grad(), autocast:
+        out = raw_model.generate(idx, cfg.sample_tokens, top_k=200, generator=gen)
+    raw_model.train()
+    return get_tokenizer().decode(out[0, 1:].tolist())
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
