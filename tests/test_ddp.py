@@ -15,6 +15,12 @@ from conftest import read_log
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def torchrun_2(*args):
+    """Command line: train.py under torchrun with 2 processes on this machine."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    return [*launcher, "train.py", *args]
+
+
 def test_ddp_matches_single_process_accumulation(tiny_args, tmp_path):
     # total_batch_size 256 = B 4 x T 32 x (1 rank x 2 micro-steps | 2 ranks x 1 micro-step): the
     # same tokens per step, as the loader gives rank r the window after rank r-1's
@@ -22,16 +28,7 @@ def test_ddp_matches_single_process_accumulation(tiny_args, tmp_path):
     single, multi = tmp_path / "single", tmp_path / "ddp"
     train.main(args + [f"--out_dir={single}"])
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "train.py",
-        *args,
-        f"--out_dir={multi}",
-    ]
+    cmd = torchrun_2(*args, f"--out_dir={multi}")
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
@@ -58,16 +55,7 @@ def test_ddp_sigterm_to_torchrun_saves_then_resumes_on_one_process(tiny_args, tm
     The checkpoint then resumes in a single process (the data position carries over)."""
     out = tmp_path / "out"
     args = tiny_args + [f"--out_dir={out}", "--eval_interval=0", "--ckpt_interval=0"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "train.py",
-        *args,
-        "--max_steps=100000",
-    ]
+    cmd = torchrun_2(*args, "--max_steps=100000")
     proc = subprocess.Popen(
         cmd, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
