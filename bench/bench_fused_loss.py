@@ -36,6 +36,25 @@ def make_inputs(N, D, V, seed=0):
     return x, w, t
 
 
+def real_inputs(ckpt, tokens, N):
+    """Final-LayerNorm outputs (N, D) bf16 of a checkpoint of ours on the first N+1 tokens of a
+    shard, its tied classifier (bf16) and the next-token targets: a trained model's softmax."""
+    from data.shards import read_shard
+    from model import GPT
+
+    model, _ = GPT.from_checkpoint(ckpt, map_location="cuda")
+    T = model.config.block_size
+    toks = torch.from_numpy(read_shard(tokens)[: N + 1].astype("int64")).cuda()
+    idx, tgt = toks[:N].view(-1, T), toks[1 : N + 1]
+    tr = model.transformer
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        h = tr.wte(idx) + tr.wpe(torch.arange(T, device="cuda"))
+        for block in tr.h:
+            h = block(h)
+        x = tr.ln_f(h).reshape(N, -1).bfloat16()
+    return x, tr.wte.weight.detach().bfloat16().contiguous(), tgt, model.config.vocab_size
+
+
 def fp32_reference(x, w, t):
     torch.backends.cuda.matmul.allow_tf32 = False
     xr = x.float().requires_grad_()
@@ -139,35 +158,42 @@ def kernel_breakdown(x, w, t, vocab):
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][0])[:12])
 
 
-# Tile/buffer variants of ours, timed at the 124M shape (overrides of CONFIGS["cuda16"]).
+# Variants of ours, timed at the 124M shape: memory budget (chunk size) and the row kernel's
+# launch (overrides of fl.EXTRA_BYTES and fl.CONFIGS["cuda"]).
 VARIANTS = {
-    "buf96": dict(buffer=96 * MiB, min_rows=512),
-    "buf240": dict(buffer=240 * MiB),
-    "dw_scaleA": dict(dw=dict(BVW=256, BD=128, BK=64, num_warps=8, num_stages=3, SCALE_X=False)),
-    "dw128x256": dict(dw=dict(BVW=128, BD=256, BK=64, num_warps=8, num_stages=3, SCALE_X=True)),
-    "dw_stages4": dict(dw=dict(BVW=256, BD=128, BK=64, num_warps=8, num_stages=4, SCALE_X=True)),
-    "dx64x256": dict(dx=dict(BN=64, BD=256, BK=64, num_warps=4, num_stages=4)),
-    "dx_stages4": dict(dx=dict(BN=128, BD=256, BK=64, num_warps=8, num_stages=4)),
-    "logits128x128": dict(
-        logits=dict(BN=128, BV=128, BD=64, num_warps=8, num_stages=3),
-        dw=dict(BVW=128, BD=256, BK=64, num_warps=8, num_stages=3, SCALE_X=True),
-    ),
-    "logits_stages4": dict(logits=dict(BN=128, BV=256, BD=64, num_warps=8, num_stages=4)),
+    "extra640": dict(extra=640 * MiB),
+    "row_bv2048": dict(row=dict(BV=2048)),
+    "row_bv8192": dict(row=dict(BV=8192)),
+    "row_bv8192_sm2": dict(row=dict(BV=8192, per_sm=2)),
+    "row_bv8192_sm1_w16": dict(row=dict(BV=8192, per_sm=1, num_warps=16)),
+    "row_bv4096_sm3": dict(row=dict(per_sm=3)),
+    "row_bv4096_rows": dict(row=dict(per_sm=0)),
+    "row_bv4096_rows_w4": dict(row=dict(per_sm=0, num_warps=4)),
+    "row_bv8192_rows_w16": dict(row=dict(BV=8192, per_sm=0, num_warps=16)),
 }
 
 
 def run_variant(name, x, w, t, ref, reps):
     v = VARIANTS[name]
-    saved_cfg, saved = dict(fl.CONFIGS["cuda16"]), (fl.BUFFER_BYTES, fl.MIN_ROWS)
+    saved_cfg, saved_extra = dict(fl.CONFIGS["cuda"]), fl.EXTRA_BYTES
     try:
-        fl.CONFIGS["cuda16"].update({k: v[k] for k in ("logits", "dx", "dw") if k in v})
-        fl.BUFFER_BYTES = v.get("buffer", saved[0])
-        fl.MIN_ROWS = v.get("min_rows", saved[1])
+        fl.CONFIGS["cuda"].update(v.get("row", {}))
+        fl.EXTRA_BYTES = v.get("extra", saved_extra)
         return measure(fused_linear_cross_entropy, x, w, t, ref, reps)
     finally:
-        fl.CONFIGS["cuda16"].clear()
-        fl.CONFIGS["cuda16"].update(saved_cfg)
-        fl.BUFFER_BYTES, fl.MIN_ROWS = saved
+        fl.CONFIGS["cuda"].clear()
+        fl.CONFIGS["cuda"].update(saved_cfg)
+        fl.EXTRA_BYTES = saved_extra
+
+
+def master_weight(fn):
+    """fn run as the trainer runs it: an fp32 weight under bf16 autocast (x is bf16 already)."""
+
+    def run(x, w, t):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fn(x, w, t)
+
+    return run
 
 
 def main():
@@ -176,6 +202,10 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--variants", action="store_true", help="also time tile/buffer variants")
+    ap.add_argument(
+        "--checkpoint", help="also bench on this checkpoint's hidden states (124M-real)"
+    )
+    ap.add_argument("--tokens", help="token shard for --checkpoint (e.g. the val shard)")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     import triton
@@ -198,9 +228,24 @@ def main():
             json.dump(results, f, indent=1)
 
     meths = methods()
-    for shape in args.shapes.split(","):
-        N, D, V = SHAPES[shape]
-        x, w, t = make_inputs(N, D, V)
+    shapes = args.shapes.split(",") + (["124M-real"] if args.checkpoint else [])
+    for shape in shapes:
+        if shape == "124M-real":
+            x, w, t, vocab = real_inputs(args.checkpoint, args.tokens, SHAPES["124M"][0])
+            N, D, V = x.shape[0], x.shape[1], w.shape[0]
+            p = torch.softmax((x[:4096].float() @ w[:vocab].float().T), dim=-1)
+            record(
+                shape,
+                "softmax stats",
+                dict(
+                    mean_max_prob=p.max(-1).values.mean().item(),
+                    frac_above_2e12=(p > 2**-12).float().mean().item(),
+                ),
+            )
+            del p
+        else:
+            N, D, V = SHAPES[shape]
+            x, w, t = make_inputs(N, D, V)
         ref = fp32_reference(x, w, t)
         grads_mib = (x.numel() + w.numel()) * 2 / MiB
         record(shape, "lower bound (grads)", dict(peak_mib=grads_mib))
@@ -220,6 +265,18 @@ def main():
             dw_ref = torch.cat([ref_m[2], ref_m[2].new_zeros(V - 50257, D)])  # padded rows: 0
             res = measure(masked, x, w, t_real, (ref_m[0], ref_m[1], dw_ref), args.reps)
             record(shape, "ours (vocab 50257 masked)", res)
+        if shape == "124M":  # the trainer's case: fp32 master weight, grads of w in fp32
+            w32 = w.float()
+            for name in ("torch.compile", "ours"):
+                fn = master_weight(
+                    meths[name] if name == "ours" else torch.compile(linear_cross_entropy_reference)
+                )
+                try:
+                    record(shape, f"{name} (fp32 master w)", measure(fn, x, w32, t, ref, args.reps))
+                except Exception as e:
+                    record(shape, f"{name} (fp32 master w)", dict(error=repr(e)[:300]))
+                torch.cuda.empty_cache()
+            del w32
         if args.variants and shape == "124M":
             for vname in VARIANTS:
                 try:

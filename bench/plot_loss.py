@@ -51,7 +51,7 @@ def main(argv=None):
         if not os.path.isfile(path):
             sys.exit(f"no such log: {path}")
         train, val = read_log(path)
-        # a run's out_dir names it (out/a/log.jsonl -> "a"); a file not called log.jsonl names itself
+        # out/a/log.jsonl is named "a" (its out_dir); any other file is named by its stem
         stem = os.path.splitext(os.path.basename(path))[0]
         label = os.path.basename(os.path.dirname(os.path.abspath(path))) if stem == "log" else stem
         steps = sorted(train)

@@ -16,30 +16,19 @@ from fused_loss import kernels
 from fused_loss.checks import check_inputs
 from fused_loss.reference import linear_cross_entropy_reference
 
-# Tile shapes. BV of the logits kernel must be a multiple of the dx kernel's BK and of the dw
-# kernel's BVW (they read E tile by tile). "cpu" serves the Triton interpreter in tests: small tiles
-# so that small ragged shapes still span several tiles.
+# The row kernel's launch: BV columns per step, programs per SM (persistent over rows; 0: one
+# program per row). BV=4096/per_sm=4 measured best of those tried on the H200 (bench/RESULTS.md).
+# "cpu" serves the Triton interpreter in tests: small blocks so small ragged shapes span several.
 CONFIGS = {
-    "cuda16": dict(  # bf16 / fp16
-        logits=dict(BN=128, BV=256, BD=64, num_warps=8, num_stages=3),
-        dx=dict(BN=128, BD=256, BK=64, num_warps=8, num_stages=3),
-        dw=dict(BVW=256, BD=128, BK=64, num_warps=8, num_stages=3, SCALE_X=True),
-    ),
-    "cuda32": dict(  # fp32, exact (IEEE) dots: smaller tiles to fit shared memory
-        logits=dict(BN=64, BV=128, BD=32, num_warps=4, num_stages=2),
-        dx=dict(BN=64, BD=64, BK=32, num_warps=4, num_stages=2),
-        dw=dict(BVW=64, BD=64, BK=32, num_warps=4, num_stages=2, SCALE_X=True),
-    ),
-    "cpu": dict(
-        logits=dict(BN=16, BV=32, BD=16, num_warps=1, num_stages=1),
-        dx=dict(BN=16, BD=16, BK=16, num_warps=1, num_stages=1),
-        dw=dict(BVW=16, BD=16, BK=16, num_warps=1, num_stages=1, SCALE_X=True),
-    ),
+    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4),
+    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1),
 }
-# Bytes of the (n, V) buffer of E per chunk: 160 MiB is 1664 rows of a 50304 bf16 vocab. Larger
-# chunks mean fewer read-modify-writes of dw (8 bytes per weight per chunk) at the price of memory;
-# below MIN_ROWS those dominate, so a huge vocabulary gets a bigger buffer instead.
-BUFFER_BYTES = 160 * 2**20
+# Extra memory a call may hold: the (n, V) buffer plus, when the weight is not fp32, the fp32 dw
+# accumulator (V, D). 320 MiB at the 124M shape: 147 MiB accumulator + a 1664-row buffer with bf16
+# weights, a 3200-row buffer with fp32 master weights. Fewer chunks mean fewer read-modify-writes
+# of the fp32 dw (8 bytes per weight per chunk); below MIN_ROWS those dominate, so a huge
+# vocabulary gets a bigger buffer instead.
+EXTRA_BYTES = 320 * 2**20
 MIN_ROWS = 1024
 CHUNK_MULTIPLE = 128
 
@@ -53,39 +42,26 @@ def _num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _config(x):
-    if x.device.type != "cuda":
-        return CONFIGS["cpu"]
-    return CONFIGS["cuda32" if x.element_size() == 4 else "cuda16"]
-
-
-def _launch_opts(c):
-    return dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
-
-
-def _tiles(c):
-    return {k: v for k, v in c.items() if k not in ("num_warps", "num_stages")}
-
-
-def chunk_rows(N, Vb, elt_size, multiple=CHUNK_MULTIPLE, min_rows=None):
-    """Rows per chunk: what fits in BUFFER_BYTES (at least min_rows), a multiple of `multiple`."""
+def chunk_rows(N, V, elt_size, acc_bytes=0, multiple=CHUNK_MULTIPLE, min_rows=None):
+    """Rows per chunk: the buffer that fits in EXTRA_BYTES - acc_bytes (at least min_rows)."""
     min_rows = MIN_ROWS if min_rows is None else min_rows
-    n = max(BUFFER_BYTES // (Vb * elt_size), min_rows) // multiple * multiple
+    n = max((EXTRA_BYTES - acc_bytes) // (V * elt_size), min_rows) // multiple * multiple
     return max(multiple, min(n, triton.cdiv(N, multiple) * multiple))
 
 
-def _dx_splits(tiles, device):
-    """Split the V reduction of dx so that the grid fills the GPU in whole waves."""
-    if device.type != "cuda":
-        return 2
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    best, best_eff = 1, 0.0
-    for s in range(1, 17):
-        progs = tiles * s
-        eff = progs / (triton.cdiv(progs, sms) * sms)
-        if eff > best_eff + 0.02:
-            best, best_eff = s, eff
-    return best
+def _add_dw(dw, g, x, first):
+    """dw (fp32) += g.T @ x (or = when first), g and x in the compute dtype, fp32 accumulation.
+
+    On CUDA one cuBLAS call with an fp32 output (addmm's out_dtype); on CPU (interpreter tests)
+    the same sum through an fp32 copy.
+    """
+    beta = 0 if first else 1
+    if dw.dtype == x.dtype:
+        torch.addmm(dw, g.t(), x, beta=beta, out=dw)
+    elif dw.device.type == "cuda":
+        torch.addmm(dw, g.t(), x, out_dtype=torch.float32, beta=beta, out=dw)
+    else:
+        torch.addmm(dw, g.t().float(), x.float(), beta=beta, out=dw)
 
 
 def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_dtype=None):
@@ -97,145 +73,55 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_d
     N, D = x.shape
     V = w.shape[0]
     dev = x.device
-    cfg = _config(x)
-    lc, xc_cfg, wc = cfg["logits"], cfg["dx"], cfg["dw"]
-    BV = lc["BV"]
-    T = triton.cdiv(V, BV)
-    Vb = T * BV
-    upcast = dev.type != "cuda"
-    ieee = x.dtype == torch.float32 and not upcast
-    cpu_rows = {} if dev.type == "cuda" else dict(min_rows=16)
-    n = chunk_rows(N, Vb, x.element_size(), multiple=max(lc["BN"], 16), **cpu_rows)
-    n_chunks = triton.cdiv(N, n)
-    n = min(n, N)
+    cfg = CONFIGS["cuda" if dev.type == "cuda" else "cpu"]
+    dw_dtype = dw_dtype or w.dtype
+    acc_bytes = V * D * 4 if want_grad and dw_dtype != torch.float32 else 0
+    small = {} if dev.type == "cuda" else dict(multiple=16, min_rows=16)
+    n = min(chunk_rows(N, V, x.element_size(), acc_bytes, **small), N)
+    n = triton.cdiv(N, triton.cdiv(N, n))  # equal chunks: no short, inefficient last one
+    per_sm = cfg["per_sm"] if dev.type == "cuda" else 0
+    programs = _num_sms(dev.index) * per_sm if per_sm else n
 
     losses = torch.empty(N, device=dev, dtype=torch.float32)
-    m = torch.empty((n, T), device=dev, dtype=torch.float32)
-    s = torch.empty((n, T), device=dev, dtype=torch.float32)
+    buf = torch.empty((n, V), device=dev, dtype=x.dtype)
     if want_grad:
-        dw_dtype = dw_dtype or w.dtype
-        buf = torch.empty((n, Vb), device=dev, dtype=x.dtype)
         dx = torch.empty_like(x)
-        dx_acc = (
-            None
-            if x.dtype == torch.float32
-            else torch.empty((n, D), device=dev, dtype=torch.float32)
-        )
-        dw = torch.empty((V, D), device=dev, dtype=dw_dtype)
-        has_lo = dw_dtype != torch.float32 and n_chunks > 1
-        lo = torch.empty((V, D), device=dev, dtype=dw_dtype) if has_lo else dw
-        Vk = (
-            triton.cdiv(vocab_size, xc_cfg["BK"]) * xc_cfg["BK"]
-        )  # columns past the vocab are all 0
+        dw = torch.empty((V, D), device=dev, dtype=torch.float32)
     else:
-        buf = m  # never written (STORE_E=False)
         dx, dw = x.new_empty(0), x.new_empty(0)
 
-    for i in range(n_chunks):
-        c0 = i * n
+    for i, c0 in enumerate(range(0, N, n)):
         rows = min(n, N - c0)
-        xs, ys = x[c0 : c0 + rows], y[c0 : c0 + rows]
-        grid = (triton.cdiv(rows, lc["BN"]) * T,)
-        kernels._logits_kernel[grid](
-            xs,
-            w,
-            buf,
-            m,
-            s,
-            rows,
-            D,
-            V,
-            vocab_size,
-            xs.stride(0),
-            w.stride(0),
-            buf.stride(0),
-            T,
-            **_tiles(lc),
-            STORE_E=want_grad,
-            UPCAST=upcast,
-            IEEE=ieee,
-            **_launch_opts(lc),
-        )
-        gs = g[c0 : c0 + rows] if g_per_row else g
-        br = 32 if dev.type == "cuda" else 16
-        kernels._lse_kernel[(triton.cdiv(rows, br),)](
-            m,
-            s,
+        xs, ys, z = x[c0 : c0 + rows], y[c0 : c0 + rows], buf[:rows]
+        torch.mm(xs, w.t(), out=z)
+        kernels._softmax_grad_kernel[(min(rows, programs),)](
+            z,
             xs,
             w,
             ys,
-            gs,
-            buf,
+            g[c0 : c0 + rows] if g_per_row else g,
             losses[c0 : c0 + rows],
             rows,
-            D,
-            T,
-            xs.stride(0),
-            w.stride(0),
-            buf.stride(0),
-            ignore_index,
-            vocab_size,
-            G_PER_ROW=g_per_row,
-            WRITE_F=want_grad,
-            BR=br,
-            BT=64,
-            BDZ=128,
-            BV=BV,
-            UPCAST=upcast,
-        )
-        if not want_grad:
-            continue
-        acc = dx[c0 : c0 + rows] if dx_acc is None else dx_acc[:rows]
-        acc.zero_()
-        tiles = triton.cdiv(rows, xc_cfg["BN"]) * triton.cdiv(D, xc_cfg["BD"])
-        splits = _dx_splits(tiles, dev)
-        k_per_split = triton.cdiv(triton.cdiv(Vk, xc_cfg["BK"]), splits) * xc_cfg["BK"]
-        grid = (triton.cdiv(rows, xc_cfg["BN"]), triton.cdiv(D, xc_cfg["BD"]), splits)
-        kernels._dx_kernel[grid](
-            buf,
-            m,
-            w,
-            acc,
-            rows,
-            D,
-            vocab_size,
-            Vk,
-            T,
-            buf.stride(0),
-            w.stride(0),
-            acc.stride(0),
-            k_per_split,
-            **_tiles(xc_cfg),
-            BV=BV,
-            UPCAST=upcast,
-            IEEE=ieee,
-            **_launch_opts(xc_cfg),
-        )
-        if dx_acc is not None:
-            dx[c0 : c0 + rows].copy_(acc)
-        grid = (triton.cdiv(V, wc["BVW"]) * triton.cdiv(D, wc["BD"]),)
-        kernels._dw_kernel[grid](
-            buf,
-            m,
-            xs,
-            dw,
-            lo,
-            rows,
-            D,
             V,
-            T,
-            buf.stride(0),
+            vocab_size,
+            D,
+            z.stride(0),
             xs.stride(0),
-            dw.stride(0),
-            **_tiles(wc),
-            BV=BV,
-            FIRST=i == 0,
-            LAST=i == n_chunks - 1,
-            HAS_LO=has_lo,
-            UPCAST=upcast,
-            IEEE=ieee,
-            **_launch_opts(wc),
+            w.stride(0),
+            ignore_index,
+            G_PER_ROW=g_per_row,
+            WRITE_G=want_grad,
+            BV=cfg["BV"],
+            BD=cfg["BD"],
+            UPCAST=dev.type != "cuda",
+            num_warps=cfg["num_warps"],
         )
+        if want_grad:
+            torch.mm(z, w, out=dx[c0 : c0 + rows])
+            _add_dw(dw, z, xs, first=i == 0)
+    del buf, z  # free the buffer before the cast allocates dw in its dtype
+    if want_grad and dw_dtype != torch.float32:
+        dw = dw.to(dw_dtype)
     return losses, dx, dw
 
 

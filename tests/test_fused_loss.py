@@ -95,13 +95,13 @@ def test_peaky_logits(dtype):
 
 @needs_kernels
 def test_many_chunks(monkeypatch):
-    # A tiny buffer budget forces several row chunks: dw accumulates across them (the hi/lo pair
-    # for bf16 weights), dx is written chunk by chunk.
-    cfg = fl.CONFIGS["cpu"]["logits"]
-    V = 96
-    Vb = -(-V // cfg["BV"]) * cfg["BV"]
-    monkeypatch.setattr(fl, "BUFFER_BYTES", 32 * Vb * 2)
-    assert fl.chunk_rows(150, Vb, 2, multiple=16, min_rows=16) == 32
+    # A tiny memory budget forces several row chunks: dw accumulates across them in fp32 (a
+    # temporary for bf16 weights, which takes its share of the budget), dx is written per chunk.
+    V, D = 96, 32
+    acc = V * D * 4
+    monkeypatch.setattr(fl, "EXTRA_BYTES", acc + 32 * V * 2)
+    assert fl.chunk_rows(150, V, 2, acc, multiple=16, min_rows=16) == 32
+    assert fl.chunk_rows(150, V, 4, 0, multiple=16, min_rows=16) == 48
     for dtype in (torch.float32, torch.bfloat16):
         x, w, t = _make(150, 32, V, 90, dtype, "cpu", ignore_frac=0.1, seed=2)
         _check(x, w, t, 90, "mean", torch.tensor(2.0))
@@ -208,7 +208,7 @@ def test_gpu_real_sizes(shape, reduction):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_many_chunks_fp32_master(monkeypatch):
-    monkeypatch.setattr(fl, "BUFFER_BYTES", 8 * 2**20)  # several chunks at this size
+    monkeypatch.setattr(fl, "EXTRA_BYTES", 8 * 2**20)  # MIN_ROWS-row chunks: 3 of them
     x, w, t = _make(3000, 768, 50304, 50257, torch.float32, "cuda", ignore_frac=0.05, seed=8)
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
     with torch.autocast("cuda", dtype=torch.bfloat16):

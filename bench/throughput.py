@@ -1,0 +1,200 @@
+"""Training throughput of the real train.py, fused loss vs torch loss, on random tokens.
+
+    python bench/throughput.py [--runs 124M:32,124M:64,350M:32,1558M:16] [--impls fused,torch]
+        [--steps 30] [--warmup 10] [--out DIR] [--profile 124M:32] [--max-batch]
+
+Each run is a fresh process calling train.main (compiled model, bf16 autocast, fused AdamW, one
+micro-batch per step: total batch = B * 1024) on a shard of uniform random tokens. Reported per
+run: median step time and tok/s over the steps after --warmup, the MFU train.py logs, and the
+peak GPU memory allocated. --profile runs one more (fused) training of 8 steps under the torch
+profiler and prints the top kernels by CUDA time per step. --max-batch tries the largest 124M
+micro-batch that the B = 32 and 64 runs predict to fit, per impl, and reports whether it did.
+Writes DIR/throughput.json.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from data.shards import write_shard  # noqa: E402
+
+PRESETS = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
+
+# Runs inside the child: train, then report peak memory (and the profile when asked).
+CHILD = r"""
+import json, sys, torch, train
+args, profile = json.loads(sys.argv[1]), sys.argv[2] == "1"
+if profile:
+    from torch.profiler import ProfilerActivity, profile as prof_ctx
+    with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
+        train.main(args)
+    rows = sorted(((e.device_time_total, e.count, e.key) for e in prof.key_averages()
+                   if e.device_time_total > 0), reverse=True)
+    print("PROFILE " + json.dumps([(us / 1000.0, n, k[:90]) for us, n, k in rows[:25]]))
+    print(f"PROFILE_TOTAL_MS {sum(r[0] for r in rows) / 1000.0}")
+else:
+    train.main(args)
+print(f"PEAK_GIB {torch.cuda.max_memory_allocated() / 2**30:.3f}")
+"""
+
+
+def random_dataset(folder, tokens):
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", tokens), ("val", 1 << 20)):
+        path = os.path.join(folder, f"random_{split}_000000.bin")
+        if not os.path.exists(path):
+            write_shard(path, rng.integers(0, 50257, n, dtype=np.int64))
+    return folder
+
+
+def train_args(model, batch, impl, steps, dataset, out_dir):
+    return [
+        f"--model='{PRESETS[model]}'",
+        f"--dataset='{dataset}'",
+        f"--loss_impl='{impl}'",
+        f"--batch_size={batch}",
+        f"--total_batch_size={batch * 1024}",
+        f"--max_steps={steps}",
+        "--warmup_steps=5",
+        "--eval_interval=0",
+        f"--val_tokens={batch * 1024}",
+        "--sample_interval=0",
+        "--ckpt_interval=0",
+        "--keep_last=1",
+        f"--out_dir='{out_dir}'",
+    ]
+
+
+def run_child(args, profile=False, timeout=900):
+    t0 = time.time()
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(args), "1" if profile else "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    out = p.stdout + p.stderr
+    res = dict(rc=p.returncode, wall_s=round(time.time() - t0, 1))
+    for line in out.splitlines():
+        if line.startswith("PEAK_GIB"):
+            res["peak_gib"] = float(line.split()[1])
+        if line.startswith("PROFILE_TOTAL_MS"):
+            res["profile_total_ms"] = float(line.split()[1])
+        if line.startswith("PROFILE "):
+            res["profile"] = json.loads(line[len("PROFILE ") :])
+    if p.returncode != 0:
+        res["error"] = "\n".join(out.strip().splitlines()[-4:])[-600:]
+    return res
+
+
+def step_stats(log_path, warmup):
+    recs = [json.loads(line) for line in open(log_path)]
+    steps = [r for r in recs if "ms" in r and r["step"] >= warmup]
+    ms = statistics.median(r["ms"] for r in steps)
+    mfu = statistics.median(r["mfu"] for r in steps) if steps[0].get("mfu") else None
+    return dict(ms=ms, tok_per_s=statistics.median(r["tok_per_s"] for r in steps), mfu=mfu)
+
+
+def max_batch_candidates(runs, impl, capacity_gib=None):
+    """124M micro-batches to try, largest first: peak memory is linear in the batch, so the
+    B = 32 and 64 runs predict where it runs out; try 95 % and 85 % of that, multiples of 8."""
+    import torch
+
+    pts = {
+        r["batch"]: r["peak_gib"]
+        for r in runs
+        if r["model"] == "124M" and r["impl"] == impl and r["rc"] == 0
+    }
+    if 32 not in pts or 64 not in pts:
+        return []
+    cap = capacity_gib or torch.cuda.get_device_properties(0).total_memory / 2**30
+    per_b = (pts[64] - pts[32]) / 32
+    pred = 32 + (cap - 2 - pts[32]) / per_b  # keep 2 GiB for the CUDA context and fragmentation
+    return [int(pred * f) // 8 * 8 for f in (0.95, 0.85)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", default="124M:32,124M:64,350M:32,1558M:16")
+    ap.add_argument("--impls", default="fused,torch")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--out", default=os.environ.get("OUT", "out/throughput"))
+    ap.add_argument("--profile", default="", help="model:batch to profile (fused loss)")
+    ap.add_argument("--max-batch", action="store_true", help="find the largest 124M batch")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    work = os.path.join(ROOT, "out", "throughput")
+    dataset = random_dataset(os.path.join(ROOT, "data", "cache", "random"), 1 << 24)
+    results = dict(date=time.strftime("%Y-%m-%d"), runs=[], profile=None, max_batch=[])
+    path = os.path.join(args.out, "throughput.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+    for spec in [s for s in args.runs.split(",") if s]:
+        model, batch = spec.split(":")
+        for impl in args.impls.split(","):
+            out_dir = os.path.join(work, f"{model}_b{batch}_{impl}")
+            subprocess.run(["rm", "-rf", out_dir])
+            cli = train_args(model, int(batch), impl, args.steps, dataset, out_dir)
+            res = dict(model=model, batch=int(batch), impl=impl, **run_child(cli))
+            if res["rc"] == 0:
+                res.update(step_stats(os.path.join(out_dir, "log.jsonl"), args.warmup))
+            results["runs"].append(res)
+            print(json.dumps(res), flush=True)
+            save()
+    if args.profile:
+        model, batch = args.profile.split(":")
+        out_dir = os.path.join(work, "profile")
+        subprocess.run(["rm", "-rf", out_dir])
+        res = run_child(train_args(model, int(batch), "fused", 8, dataset, out_dir), profile=True)
+        results["profile"] = dict(model=model, batch=int(batch), steps=8, **res)
+        save()
+    for impl in args.impls.split(",") if args.max_batch else []:
+        for b in max_batch_candidates(results["runs"], impl):
+            out_dir = os.path.join(work, f"max_b{b}_{impl}")
+            subprocess.run(["rm", "-rf", out_dir])
+            res = run_child(train_args("124M", b, impl, 4, dataset, out_dir))
+            res = dict(impl=impl, batch=b, fits=res["rc"] == 0, **res)
+            results["max_batch"].append({k: v for k, v in res.items() if k != "error"})
+            print(json.dumps(results["max_batch"][-1]), flush=True)
+            save()
+            if res["fits"]:
+                break
+
+    print("\n| model | batch | loss | ms/step | tok/s | MFU | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results["runs"]:
+        if r["rc"]:
+            print(f"| {r['model']} | {r['batch']} | {r['impl']} | error: {r['error'][-120:]} |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+        print(
+            f"| {r['model']} | {r['batch']} | {r['impl']} | {r['ms']:.1f} | "
+            f"{r['tok_per_s']:,.0f} | {mfu} | {r['peak_gib']:.2f} |"
+        )
+    prof = results["profile"]
+    if prof and prof.get("profile"):
+        total = prof["profile_total_ms"]
+        print(f"all kernels: {total / 8:.1f} ms per step")
+        print(f"\ntop kernels, CUDA ms per step ({prof['model']} b{prof['batch']}, fused, 8 steps)")
+        for ms, n, name in prof["profile"]:
+            print(f"  {ms / 8:7.2f} ms  {100 * ms / total:5.1f}%  x{n // 8:<5d} {name}")
+    for r in results["max_batch"]:
+        print(f"max batch: {r['impl']} b{r['batch']} fits={r['fits']} peak={r.get('peak_gib')}")
+
+
+if __name__ == "__main__":
+    main()
