@@ -228,7 +228,7 @@ def main():
             json.dump(results, f, indent=1)
 
     meths = methods()
-    shapes = args.shapes.split(",") + (["124M-real"] if args.checkpoint else [])
+    shapes = [s for s in args.shapes.split(",") if s] + (["124M-real"] if args.checkpoint else [])
     for shape in shapes:
         if shape == "124M-real":
             x, w, t, vocab = real_inputs(args.checkpoint, args.tokens, SHAPES["124M"][0])
