@@ -1,14 +1,15 @@
 """Training throughput of the real train.py, fused loss vs torch loss, on random tokens.
 
     python bench/throughput.py [--runs 124M:32,124M:64,350M:32,1558M:16] [--impls fused,torch]
-        [--steps 30] [--warmup 10] [--out DIR] [--profile 124M:32] [--max-batch]
+        [--steps 30] [--warmup 10] [--out DIR] [--profile 124M:32] [--max-batch auto]
 
 Each run is a fresh process calling train.main (compiled model, bf16 autocast, fused AdamW, one
 micro-batch per step: total batch = B * 1024) on a shard of uniform random tokens. Reported per
 run: median step time and tok/s over the steps after --warmup, the MFU train.py logs, and the
-peak GPU memory allocated. --profile runs one more (fused) training of 8 steps under the torch
-profiler and prints the top kernels by CUDA time per step. --max-batch tries the largest 124M
-micro-batch that the B = 32 and 64 runs predict to fit, per impl, and reports whether it did.
+peak GPU memory allocated. --profile runs one more (fused) training, profiles its steps 10-12
+(torch profiler) and prints the top kernels by CUDA time per step. --max-batch auto tries the
+largest 124M micro-batch that the B = 32 and 64 runs predict to fit, per impl (or the impl:B
+list given), and reports whether it did.
 Writes DIR/throughput.json.
 """
 
@@ -32,9 +33,15 @@ PRESETS = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M":
 CHILD = r"""
 import json, sys, torch, train
 args, profile = json.loads(sys.argv[1]), sys.argv[2] == "1"
-if profile:
-    from torch.profiler import ProfilerActivity, profile as prof_ctx
-    with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
+if profile:  # steps 10-12 only: past compilation and warm-up, before the final checkpoint
+    from torch.profiler import ProfilerActivity, profile as prof_ctx, schedule
+    sched = schedule(wait=9, warmup=1, active=3, repeat=1)
+    with prof_ctx(activities=[ProfilerActivity.CUDA], schedule=sched) as prof:
+        fmt = train.format_step
+        def stepping(rec, max_steps):  # train.py calls this once per optimizer step
+            prof.step()
+            return fmt(rec, max_steps)
+        train.format_step = stepping
         train.main(args)
     rows = sorted(((e.device_time_total, e.count, e.key) for e in prof.key_averages()
                    if e.device_time_total > 0), reverse=True)
@@ -131,7 +138,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/throughput"))
     ap.add_argument("--profile", default="", help="model:batch to profile (fused loss)")
-    ap.add_argument("--max-batch", action="store_true", help="find the largest 124M batch")
+    ap.add_argument(
+        "--max-batch",
+        default="",
+        help="'auto' (predict from the 124M B=32/64 runs) or impl:B,... 124M batches to try",
+    )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     work = os.path.join(ROOT, "out", "throughput")
@@ -159,11 +170,16 @@ def main():
         model, batch = args.profile.split(":")
         out_dir = os.path.join(work, "profile")
         subprocess.run(["rm", "-rf", out_dir])
-        res = run_child(train_args(model, int(batch), "fused", 8, dataset, out_dir), profile=True)
-        results["profile"] = dict(model=model, batch=int(batch), steps=8, **res)
+        res = run_child(train_args(model, int(batch), "fused", 16, dataset, out_dir), profile=True)
+        results["profile"] = dict(model=model, batch=int(batch), steps=3, **res)
         save()
+    explicit = {}
+    for item in args.max_batch.split(",") if args.max_batch not in ("", "auto") else []:
+        impl, b = item.split(":")
+        explicit.setdefault(impl, []).append(int(b))
     for impl in args.impls.split(",") if args.max_batch else []:
-        for b in max_batch_candidates(results["runs"], impl):
+        tries = explicit.get(impl, []) if explicit else max_batch_candidates(results["runs"], impl)
+        for b in tries:
             out_dir = os.path.join(work, f"max_b{b}_{impl}")
             subprocess.run(["rm", "-rf", out_dir])
             res = run_child(train_args("124M", b, impl, 4, dataset, out_dir))
@@ -188,10 +204,12 @@ def main():
     prof = results["profile"]
     if prof and prof.get("profile"):
         total = prof["profile_total_ms"]
-        print(f"all kernels: {total / 8:.1f} ms per step")
-        print(f"\ntop kernels, CUDA ms per step ({prof['model']} b{prof['batch']}, fused, 8 steps)")
+        print(f"all kernels: {total / 3:.1f} ms of GPU time per step")
+        print(
+            f"top kernels, CUDA ms per step ({prof['model']} b{prof['batch']}, fused, steps 10-12)"
+        )
         for ms, n, name in prof["profile"]:
-            print(f"  {ms / 8:7.2f} ms  {100 * ms / total:5.1f}%  x{n // 8:<5d} {name}")
+            print(f"  {ms / 3:7.2f} ms  {100 * ms / total:5.1f}%  x{n // 3:<5d} {name}")
     for r in results["max_batch"]:
         print(f"max batch: {r['impl']} b{r['batch']} fits={r['fits']} peak={r.get('peak_gib')}")
 
