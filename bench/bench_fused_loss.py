@@ -161,15 +161,13 @@ def kernel_breakdown(x, w, t, vocab):
 # Variants of ours, timed at the 124M shape: memory budget (chunk size) and the row kernel's
 # launch (overrides of fl.EXTRA_BYTES and fl.CONFIGS["cuda"]).
 VARIANTS = {
+    "extra448": dict(extra=448 * MiB),
     "extra640": dict(extra=640 * MiB),
-    "row_bv2048": dict(row=dict(BV=2048)),
-    "row_bv8192": dict(row=dict(BV=8192)),
-    "row_bv8192_sm2": dict(row=dict(BV=8192, per_sm=2)),
-    "row_bv8192_sm1_w16": dict(row=dict(BV=8192, per_sm=1, num_warps=16)),
-    "row_bv4096_sm3": dict(row=dict(per_sm=3)),
-    "row_bv4096_rows": dict(row=dict(per_sm=0)),
-    "row_bv4096_rows_w4": dict(row=dict(per_sm=0, num_warps=4)),
-    "row_bv8192_rows_w16": dict(row=dict(BV=8192, per_sm=0, num_warps=16)),
+    "single_read": dict(row=dict(single_read=True)),
+    "single_read_bv2048": dict(row=dict(single_read=True, BV=2048)),
+    "single_read_bv8192": dict(row=dict(single_read=True, BV=8192)),
+    "single_read_sm2": dict(row=dict(single_read=True, per_sm=2)),
+    "single_read_extra448": dict(row=dict(single_read=True), extra=448 * MiB),
 }
 
 

@@ -19,10 +19,13 @@ from fused_loss.reference import linear_cross_entropy_reference
 # The row kernel's launch: BV columns per step, programs per SM (persistent over rows; 0: one
 # program per row). BV=4096/per_sm=4 measured best of those tried on the H200 (bench/RESULTS.md).
 # "cpu" serves the Triton interpreter in tests: small blocks so small ragged shapes span several.
+# single_read picks _exp_rows_kernel (one read of the buffer, the scales applied around the GEMMs;
+# kernels.py) over _softmax_grad_kernel (two reads); off until it is measured on a GPU.
 CONFIGS = {
-    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4),
-    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1),
+    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, single_read=False),
+    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, single_read=False),
 }
+REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kernel rebases a row
 # Extra memory a call may hold: the (n, V) buffer plus, when the weight is not fp32, the fp32 dw
 # accumulator (V, D). 320 MiB at the 124M shape: 147 MiB accumulator + a 1664-row buffer with bf16
 # weights, a 3200-row buffer with fp32 master weights. Fewer chunks mean fewer read-modify-writes
@@ -64,6 +67,16 @@ def _add_dw(dw, g, x, first):
         torch.addmm(dw, g.t().float(), x.float(), beta=beta, out=dw)
 
 
+def _mm_fp32(a, b, out):
+    """out (fp32) = a @ b for a, b in the compute dtype, fp32 accumulation, no rounding between."""
+    if a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    elif a.device.type == "cuda":
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
 def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_dtype=None):
     """One chunked pass. x (N, D), w (V, D) in x's dtype, y (N,) int64, g: (1,) or (N,) fp32.
 
@@ -90,35 +103,34 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_d
     else:
         dx, dw = x.new_empty(0), x.new_empty(0)
 
+    single = cfg["single_read"]
+    if single:
+        f = torch.empty(n, device=dev, dtype=torch.float32)
+        if want_grad:
+            p = torch.empty((n, D), device=dev, dtype=torch.float32)  # E @ w of a chunk
+            xs_scaled = torch.empty((n, D), device=dev, dtype=x.dtype)
     for i, c0 in enumerate(range(0, N, n)):
         rows = min(n, N - c0)
         xs, ys, z = x[c0 : c0 + rows], y[c0 : c0 + rows], buf[:rows]
         torch.mm(xs, w.t(), out=z)
-        kernels._softmax_grad_kernel[(min(rows, programs),)](
-            z,
-            xs,
-            w,
-            ys,
-            g[c0 : c0 + rows] if g_per_row else g,
-            losses[c0 : c0 + rows],
-            rows,
-            V,
-            vocab_size,
-            D,
-            z.stride(0),
-            xs.stride(0),
-            w.stride(0),
-            ignore_index,
-            G_PER_ROW=g_per_row,
-            WRITE_G=want_grad,
-            BV=cfg["BV"],
-            BD=cfg["BD"],
-            UPCAST=dev.type != "cuda",
-            num_warps=cfg["num_warps"],
-        )
+        common = dict(G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], BD=cfg["BD"])
+        common.update(UPCAST=dev.type != "cuda", num_warps=cfg["num_warps"])
+        args = [z, xs, w, ys, g[c0 : c0 + rows] if g_per_row else g, losses[c0 : c0 + rows]]
+        sizes = [rows, V, vocab_size, D, z.stride(0), xs.stride(0), w.stride(0), ignore_index]
+        grid = (min(rows, programs),)
+        if not single:
+            kernels._softmax_grad_kernel[grid](*args, *sizes, **common)
+            if want_grad:
+                torch.mm(z, w, out=dx[c0 : c0 + rows])
+                _add_dw(dw, z, xs, first=i == 0)
+            continue
+        kernels._exp_rows_kernel[grid](*args, f, *sizes, REBASE=REBASE, **common)
         if want_grad:
-            torch.mm(z, w, out=dx[c0 : c0 + rows])
-            _add_dw(dw, z, xs, first=i == 0)
+            _mm_fp32(z, w, out=p[:rows])
+            kernels._row_scale_kernel[(rows,)](
+                p, xs, f, dx[c0 : c0 + rows], xs_scaled, D, BD=cfg["BD"], UPCAST=dev.type != "cuda"
+            )
+            _add_dw(dw, z, xs_scaled[:rows], first=i == 0)
     del buf, z  # free the buffer before the cast allocates dw in its dtype
     if want_grad and dw_dtype != torch.float32:
         dw = dw.to(dw_dtype)

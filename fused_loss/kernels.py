@@ -21,6 +21,17 @@ _softmax_grad_kernel, one program per row at a time (persistent over rows):
            carries fp32 error only.
   pass 2   G = g_n (exp(z - lse) - onehot) over all V columns (0 past Vr), rounded once to the
            buffer's dtype, overwriting z. The row was just read, so this re-read mostly hits L2.
+
+Single-read variant (CONFIGS "single_read"; not yet the default: unmeasured on a GPU). The second
+read above is there because exp() needs the row's lse before G can be written. Writing instead
+  E_nv = exp(z_nv - c_n),  c_n = max of the row's first block (<= the row max), and
+  E_{n,y_n} -= S_n = sum_v E_nv       (the one-hot, folded in at the end: one element)
+gives G = diag(f) E with ONE scale per row, f_n = g_n / S_n, so the row is read and written once
+(_exp_rows_kernel), and the scale moves outside the GEMMs: dx = diag(f) (E @ w) from an fp32 GEMM
+output, dw += E.T @ (f * x) with f * x rounded once to the compute dtype (_row_scale_kernel).
+A block whose max passes c + REBASE (60 nats; e^60 * V still fits fp32) raises c to that max and
+rescales the row's already written E (rare: only rows whose first block is far below their max).
+
 Under the CPU interpreter (UPCAST) fp32 -> bf16 casts are rounded to nearest by hand, because
 the interpreter truncates (seen with triton 3.9; the GPU path is untouched).
 """
@@ -39,6 +50,22 @@ def _cast(v, dtype: tl.constexpr, UPCAST: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         v = bits.to(tl.float32, bitcast=True)
     return v.to(dtype)
+
+
+@triton.jit
+def _target_loss(
+    x_ptr, w_ptr, loss_ptr, r, r64, y, valid, lse, D, stride_x, stride_w, BD: tl.constexpr
+):
+    """loss_r = lse - x_r . w_{y_r} with the dot in fp32; 0 for an ignored row."""
+    ks = tl.arange(0, BD)
+    yc = tl.where(valid, y, 0)  # an ignored row reads row 0 and discards it
+    acc = tl.zeros((BD,), tl.float32)
+    for k in range(0, D, BD):
+        ok = (k + ks) < D
+        xv = tl.load(x_ptr + r64 * stride_x + k + ks, mask=ok, other=0.0)
+        wv = tl.load(w_ptr + yc * stride_w + k + ks, mask=ok, other=0.0)
+        acc += xv.to(tl.float32) * wv.to(tl.float32)
+    tl.store(loss_ptr + r, tl.where(valid, lse - tl.sum(acc, axis=0), 0.0))
 
 
 @triton.jit
@@ -64,7 +91,6 @@ def _softmax_grad_kernel(
     UPCAST: tl.constexpr,
 ):
     lanes = tl.arange(0, BV)
-    ks = tl.arange(0, BD)
     for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         r64 = tl.cast(r, tl.int64)  # row offsets of a big chunk can pass 2**31 elements
         z_row = z_ptr + r64 * stride_z
@@ -86,16 +112,7 @@ def _softmax_grad_kernel(
         s_row = tl.sum(s * tl.exp2((m - m_row) * LOG2E), axis=0)
         lse = m_row + tl.log(s_row)
 
-        # target logit in fp32 from x and w (an ignored row reads row 0 and discards it)
-        yc = tl.where(valid, y, 0)
-        acc = tl.zeros((BD,), tl.float32)
-        for k in range(0, D, BD):
-            ok = (k + ks) < D
-            xv = tl.load(x_ptr + r64 * stride_x + k + ks, mask=ok, other=0.0)
-            wv = tl.load(w_ptr + yc * stride_w + k + ks, mask=ok, other=0.0)
-            acc += xv.to(tl.float32) * wv.to(tl.float32)
-        loss = tl.where(valid, lse - tl.sum(acc, axis=0), 0.0)
-        tl.store(loss_ptr + r, loss)
+        _target_loss(x_ptr, w_ptr, loss_ptr, r, r64, y, valid, lse, D, stride_x, stride_w, BD)
 
         if WRITE_G:
             if G_PER_ROW:
@@ -111,6 +128,93 @@ def _softmax_grad_kernel(
                 p = tl.exp2(z * LOG2E - lse2)  # 0 past vocab_size
                 grad = g * (p - tl.where(cols == y, 1.0, 0.0))
                 tl.store(z_row + cols, _cast(grad, z_ptr.dtype.element_ty, UPCAST), mask=cols < V)
+
+
+@triton.jit
+def _exp_rows_kernel(
+    z_ptr,  # (n, V) logits of the chunk; overwritten by E (one-hot folded in) when WRITE_G
+    x_ptr,  # (n, D)
+    w_ptr,  # (V, D)
+    y_ptr,  # (n,) int64
+    g_ptr,  # (1,) or (n,) fp32
+    loss_ptr,  # (n,) fp32 out
+    f_ptr,  # (n,) fp32 out: the row scale g / S (0 for ignored rows)
+    n_rows,
+    V,
+    vocab_size,
+    D,
+    stride_z,
+    stride_x,
+    stride_w,
+    ignore_index,
+    G_PER_ROW: tl.constexpr,
+    WRITE_G: tl.constexpr,
+    REBASE: tl.constexpr,
+    BV: tl.constexpr,
+    BD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    lanes = tl.arange(0, BV)
+    out_ty = z_ptr.dtype.element_ty
+    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        r64 = tl.cast(r, tl.int64)
+        z_row = z_ptr + r64 * stride_z
+        y = tl.load(y_ptr + r)
+        valid = y != ignore_index
+        z0 = tl.load(z_row + lanes, mask=lanes < vocab_size, other=float("-inf"))
+        c = tl.max(z0.to(tl.float32), axis=0)  # the reference: <= the row max
+        s = tl.zeros((BV,), tl.float32)
+        end = V if WRITE_G else vocab_size
+        for v0 in range(0, end, BV):
+            cols = v0 + lanes
+            z = tl.load(z_row + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+            z_max = tl.max(z, axis=0)
+            if z_max > c + REBASE:  # rare: rebase on the new max, rescale what is behind
+                scale = tl.exp2((c - z_max) * LOG2E)
+                s = s * scale
+                c = z_max
+                if WRITE_G:
+                    for u0 in range(0, v0, BV):
+                        old = tl.load(z_row + u0 + lanes).to(tl.float32)
+                        tl.store(z_row + u0 + lanes, _cast(old * scale, out_ty, UPCAST))
+            e = tl.exp2((z - c) * LOG2E)  # 0 past vocab_size
+            s += e
+            if WRITE_G:
+                tl.store(z_row + cols, _cast(e, out_ty, UPCAST), mask=cols < V)
+        S = tl.sum(s, axis=0)
+        lse = c + tl.log(S)
+        _target_loss(x_ptr, w_ptr, loss_ptr, r, r64, y, valid, lse, D, stride_x, stride_w, BD)
+        if WRITE_G:
+            if G_PER_ROW:
+                g = tl.load(g_ptr + r)
+            else:
+                g = tl.load(g_ptr)
+            tl.store(f_ptr + r, tl.where(valid, g / S, 0.0))
+            if valid:  # the one-hot: G_y = f (E_y - S) = g (p_y - 1)
+                e_y = tl.load(z_row + y).to(tl.float32)
+                tl.store(z_row + y, _cast(e_y - S, out_ty, UPCAST))
+
+
+@triton.jit
+def _row_scale_kernel(
+    p_ptr,  # (n, D) fp32: E @ w of the chunk
+    x_ptr,  # (n, D) compute dtype
+    f_ptr,  # (n,) fp32 row scales
+    dx_ptr,  # (n, D) out: f * p, compute dtype
+    xs_ptr,  # (n, D) out: f * x, compute dtype (the dw GEMM's operand)
+    D,
+    BD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    r = tl.cast(tl.program_id(0), tl.int64)
+    ks = tl.arange(0, BD)
+    f = tl.load(f_ptr + r)
+    for k in range(0, D, BD):
+        ok = (k + ks) < D
+        p = tl.load(p_ptr + r * D + k + ks, mask=ok, other=0.0)
+        xv = tl.load(x_ptr + r * D + k + ks, mask=ok, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + r * D + k + ks, _cast(f * p, dx_ptr.dtype.element_ty, UPCAST), mask=ok)
+        tl.store(xs_ptr + r * D + k + ks, _cast(f * xv, xs_ptr.dtype.element_ty, UPCAST), mask=ok)
 
 
 @triton.jit

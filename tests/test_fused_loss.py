@@ -18,6 +18,14 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["two_reads", "single_read"])
+def row_kernel(request, monkeypatch):
+    """Every test runs with both row kernels (_softmax_grad_kernel, _exp_rows_kernel)."""
+    for cfg in fl.CONFIGS.values():
+        monkeypatch.setitem(cfg, "single_read", request.param)
+    return request.param
+
+
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
@@ -91,6 +99,19 @@ def test_peaky_logits(dtype):
     x, w, t = _make(40, 32, 80, 80, dtype, "cpu", logit_std=40.0, seed=1)
     x[::3] *= 4
     _check(x, w, t, 80, "mean", torch.tensor(1.0))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_late_row_max_rebases(dtype):
+    # The last columns carry logits ~300 nats above the first block's: the single-read kernel must
+    # rebase those rows (REBASE = 60) and rescale what it already wrote; both kernels must agree
+    # with the reference.
+    x, w, t = _make(24, 32, 80, 80, dtype, "cpu", seed=9)
+    w[72:] *= 150.0
+    x[::2] *= 3
+    _check(x, w, t, 80, "mean", torch.tensor(1.0))
+    _check(x, w, t, 80, "none", torch.rand(24))
 
 
 @needs_kernels
