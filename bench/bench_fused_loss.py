@@ -168,6 +168,10 @@ VARIANTS = {
     "single_read_bv8192": dict(row=dict(single_read=True, BV=8192)),
     "single_read_sm2": dict(row=dict(single_read=True, per_sm=2)),
     "single_read_extra448": dict(row=dict(single_read=True), extra=448 * MiB),
+    # the trainer's case: fp32 master weight under autocast (default 320 MiB: 10 chunks)
+    "master_extra640": dict(extra=640 * MiB, master=True),
+    "master_single_read": dict(row=dict(single_read=True), master=True),
+    "master_single_read_extra640": dict(row=dict(single_read=True), extra=640 * MiB, master=True),
 }
 
 
@@ -177,6 +181,8 @@ def run_variant(name, x, w, t, ref, reps):
     try:
         fl.CONFIGS["cuda"].update(v.get("row", {}))
         fl.EXTRA_BYTES = v.get("extra", saved_extra)
+        if v.get("master"):
+            return measure(master_weight(fused_linear_cross_entropy), x, w.float(), t, ref, reps)
         return measure(fused_linear_cross_entropy, x, w, t, ref, reps)
     finally:
         fl.CONFIGS["cuda"].clear()
