@@ -162,6 +162,23 @@ def test_autocast_fp32_master_weight():
 
 
 @needs_kernels
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_no_tokens(reduction):
+    # An empty batch: loss 0 (mean over nothing is 0, as with all targets ignored), or an empty
+    # vector for "none"; gradients are zero, not NaN.
+    x, w, t = _make(0, 16, 40, 40, torch.float32, "cpu")
+    loss, dx, dw = _run(fused_linear_cross_entropy, x, w, t, torch.tensor(1.0), reduction=reduction)
+    assert loss.shape == ((0,) if reduction == "none" else ())
+    assert loss.sum().item() == 0.0 and dx.shape == (0, 16) and (dw == 0).all()
+
+
+@needs_kernels
+def test_float16():
+    x, w, t = _make(40, 32, 80, 75, torch.float16, "cpu", ignore_frac=0.1, seed=10)
+    _check(x, w, t, 75, "mean", torch.tensor(1.0))
+
+
+@needs_kernels
 def test_no_grad_forward_and_leading_dims():
     x, w, t = _make(24, 16, 40, 40, torch.float32, "cpu", seed=5)
     with torch.no_grad():
