@@ -27,10 +27,10 @@ CONFIGS = {
 }
 REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kernel rebases a row
 # Extra memory a call may hold: the (n, V) buffer plus, when the weight is not fp32, the fp32 dw
-# accumulator (V, D). 320 MiB at the 124M shape: 147 MiB accumulator + a 1664-row buffer with bf16
-# weights, a 3200-row buffer with fp32 master weights. Fewer chunks mean fewer read-modify-writes
-# of the fp32 dw (8 bytes per weight per chunk); below MIN_ROWS those dominate, so a huge
-# vocabulary gets a bigger buffer instead.
+# accumulator (V, D). 320 MiB at the 124M shape: 147 MiB accumulator + 19 chunks of 1725 rows
+# with bf16 weights; 10 chunks of 3277 rows with fp32 master weights. Fewer chunks mean fewer
+# read-modify-writes of the fp32 dw (8 bytes per weight per chunk); below MIN_ROWS those dominate,
+# so a huge vocabulary gets a bigger buffer instead.
 EXTRA_BYTES = 320 * 2**20
 MIN_ROWS = 1024
 CHUNK_MULTIPLE = 128
@@ -86,54 +86,56 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_d
     N, D = x.shape
     V = w.shape[0]
     dev = x.device
-    cfg = CONFIGS["cuda" if dev.type == "cuda" else "cpu"]
+    cuda = dev.type == "cuda"
+    cfg = CONFIGS["cuda" if cuda else "cpu"]
     dw_dtype = dw_dtype or w.dtype
     if N == 0:  # no tokens: no loss terms, zero gradients
-        zeros = (x.new_zeros((0, D)), w.new_zeros((V, D), dtype=dw_dtype)) if want_grad else None
-        return (x.new_zeros(0, dtype=torch.float32), *(zeros or (x.new_empty(0), x.new_empty(0))))
+        loss = x.new_zeros(0, dtype=torch.float32)
+        if want_grad:
+            return loss, x.new_zeros((0, D)), w.new_zeros((V, D), dtype=dw_dtype)
+        return loss, x.new_empty(0), x.new_empty(0)  # distinct: op outputs must not alias
     acc_bytes = V * D * 4 if want_grad and dw_dtype != torch.float32 else 0
-    small = {} if dev.type == "cuda" else dict(multiple=16, min_rows=16)
+    small = {} if cuda else dict(multiple=16, min_rows=16)
     n = min(chunk_rows(N, V, x.element_size(), acc_bytes, **small), N)
     n = triton.cdiv(N, triton.cdiv(N, n))  # equal chunks: no short, inefficient last one
-    per_sm = cfg["per_sm"] if dev.type == "cuda" else 0
-    programs = _num_sms(dev.index) * per_sm if per_sm else n
+    programs = _num_sms(dev.index) * cfg["per_sm"] if cuda and cfg["per_sm"] else n
+    single = cfg["single_read"] and x.dtype != torch.float16  # E reaches e^60: not for fp16
 
     losses = torch.empty(N, device=dev, dtype=torch.float32)
-    buf = torch.empty((n, V), device=dev, dtype=x.dtype)
+    buf = torch.empty((n, V), device=dev, dtype=x.dtype)  # z, then G (or E) of one chunk
+    dx, dw = x.new_empty(0), x.new_empty(0)
     if want_grad:
         dx = torch.empty_like(x)
         dw = torch.empty((V, D), device=dev, dtype=torch.float32)
-    else:
-        dx, dw = x.new_empty(0), x.new_empty(0)
-
-    single = cfg["single_read"] and x.dtype != torch.float16  # E reaches e^60: not for fp16
     if single:
-        f = torch.empty(n, device=dev, dtype=torch.float32)
+        f = torch.empty(n, device=dev, dtype=torch.float32)  # row scales of a chunk
         if want_grad:
             p = torch.empty((n, D), device=dev, dtype=torch.float32)  # E @ w of a chunk
-            xs_scaled = torch.empty((n, D), device=dev, dtype=x.dtype)
+            xs_scaled = torch.empty((n, D), device=dev, dtype=x.dtype)  # f * x of a chunk
+    launch = dict(G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], BD=cfg["BD"])
+    launch.update(UPCAST=not cuda, num_warps=cfg["num_warps"])
+
     for i, c0 in enumerate(range(0, N, n)):
         rows = min(n, N - c0)
-        xs, ys, z = x[c0 : c0 + rows], y[c0 : c0 + rows], buf[:rows]
+        xs, z, dxs = x[c0 : c0 + rows], buf[:rows], dx[c0 : c0 + rows]
         torch.mm(xs, w.t(), out=z)
-        common = dict(G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], BD=cfg["BD"])
-        common.update(UPCAST=dev.type != "cuda", num_warps=cfg["num_warps"])
-        args = [z, xs, w, ys, g[c0 : c0 + rows] if g_per_row else g, losses[c0 : c0 + rows]]
-        sizes = [rows, V, vocab_size, D, z.stride(0), xs.stride(0), w.stride(0), ignore_index]
+        args = (z, xs, w, y[c0 : c0 + rows], g[c0 : c0 + rows] if g_per_row else g)
+        args += (losses[c0 : c0 + rows],) + ((f,) if single else ())
+        args += (rows, V, vocab_size, D, z.stride(0), xs.stride(0), w.stride(0), ignore_index)
         grid = (min(rows, programs),)
-        if not single:
-            kernels._softmax_grad_kernel[grid](*args, *sizes, **common)
+        if not single:  # z -> G in place; dx = G @ w, dw += G.T @ x
+            kernels._softmax_grad_kernel[grid](*args, **launch)
             if want_grad:
-                torch.mm(z, w, out=dx[c0 : c0 + rows])
+                torch.mm(z, w, out=dxs)
                 _add_dw(dw, z, xs, first=i == 0)
-            continue
-        kernels._exp_rows_kernel[grid](*args, f, *sizes, REBASE=REBASE, **common)
-        if want_grad:
-            _mm_fp32(z, w, out=p[:rows])
-            kernels._row_scale_kernel[(rows,)](
-                p, xs, f, dx[c0 : c0 + rows], xs_scaled, D, BD=cfg["BD"], UPCAST=dev.type != "cuda"
-            )
-            _add_dw(dw, z, xs_scaled[:rows], first=i == 0)
+        else:  # z -> E in place; dx = f * (E @ w), dw += E.T @ (f * x)
+            kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, **launch)
+            if want_grad:
+                _mm_fp32(z, w, out=p[:rows])
+                kernels._row_scale_kernel[(rows,)](
+                    p, xs, f, dxs, xs_scaled, D, BD=cfg["BD"], UPCAST=not cuda
+                )
+                _add_dw(dw, z, xs_scaled[:rows], first=i == 0)
     del buf, z  # free the buffer before the cast allocates dw in its dtype
     if want_grad and dw_dtype != torch.float32:
         dw = dw.to(dw_dtype)
