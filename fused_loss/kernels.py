@@ -54,6 +54,14 @@ def _cast(v, dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _load_logits(z_row, cols, V, vocab_size):
+    """z at `cols` in fp32, -inf from vocab_size on. The load is masked at V, not vocab_size: the
+    padded V (50304) is a multiple of 16, so the load vectorises, which 50257 would prevent."""
+    z = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    return tl.where(cols < vocab_size, z, float("-inf"))
+
+
+@triton.jit
 def _target_loss(
     x_ptr, w_ptr, loss_ptr, r, r64, y, valid, lse, D, stride_x, stride_w, BD: tl.constexpr
 ):
@@ -103,7 +111,7 @@ def _softmax_grad_kernel(
         s = tl.zeros((BV,), tl.float32)
         for v0 in range(0, vocab_size, BV):
             cols = v0 + lanes
-            z = tl.load(z_row + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+            z = _load_logits(z_row, cols, V, vocab_size)
             new_max = z > m
             e = tl.exp2(-tl.abs(z - m) * LOG2E)  # exp(m - z) on a new max, else exp(z - m)
             e = tl.where(z == float("-inf"), 0.0, e)  # masked lane (m may be -inf too: no nan)
@@ -124,8 +132,7 @@ def _softmax_grad_kernel(
             lse2 = lse * LOG2E
             for v0 in range(0, V, BV):
                 cols = v0 + lanes
-                real = cols < vocab_size
-                z = tl.load(z_row + cols, mask=real, other=float("-inf")).to(tl.float32)
+                z = _load_logits(z_row, cols, V, vocab_size)
                 p = tl.exp2(z * LOG2E - lse2)  # 0 past vocab_size
                 grad = g * (p - tl.where(cols == y, 1.0, 0.0))
                 tl.store(z_row + cols, _cast(grad, z_ptr.dtype.element_ty, UPCAST), mask=cols < V)
@@ -162,13 +169,12 @@ def _exp_rows_kernel(
         z_row = z_ptr + r64 * stride_z
         y = tl.load(y_ptr + r)
         valid = y != ignore_index
-        z0 = tl.load(z_row + lanes, mask=lanes < vocab_size, other=float("-inf"))
-        c = tl.max(z0.to(tl.float32), axis=0)  # the reference: <= the row max
+        c = tl.max(_load_logits(z_row, lanes, V, vocab_size), axis=0)  # reference, <= row max
         s = tl.zeros((BV,), tl.float32)
         end = V if WRITE_G else vocab_size
         for v0 in range(0, end, BV):
             cols = v0 + lanes
-            z = tl.load(z_row + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+            z = _load_logits(z_row, cols, V, vocab_size)
             z_max = tl.max(z, axis=0)
             if z_max > c + REBASE:  # rare: rebase on the new max, rescale what is behind
                 scale = tl.exp2((c - z_max) * LOG2E)
