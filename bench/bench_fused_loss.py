@@ -168,6 +168,10 @@ VARIANTS = {
     "single_read_bv8192": dict(row=dict(single_read=True, BV=8192)),
     "single_read_sm2": dict(row=dict(single_read=True, per_sm=2)),
     "single_read_extra448": dict(row=dict(single_read=True), extra=448 * MiB),
+    "stages2": dict(row=dict(stages=2)),
+    "stages3": dict(row=dict(stages=3)),
+    "stages3_bv2048": dict(row=dict(stages=3, BV=2048)),
+    "single_read_stages3": dict(row=dict(single_read=True, stages=3)),
     # the trainer's case: fp32 master weight under autocast (default 320 MiB: 10 chunks)
     "master_extra640": dict(extra=640 * MiB, master=True),
     "master_single_read": dict(row=dict(single_read=True), master=True),

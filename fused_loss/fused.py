@@ -20,10 +20,11 @@ from fused_loss.reference import linear_cross_entropy_reference
 # program per row). BV=4096/per_sm=4 measured best of those tried on the H200 (bench/RESULTS.md).
 # "cpu" serves the Triton interpreter in tests: small blocks so small ragged shapes span several.
 # single_read picks _exp_rows_kernel (one read of the buffer, the scales applied around the GEMMs;
-# kernels.py) over _softmax_grad_kernel (two reads); off until it is measured on a GPU.
+# kernels.py) over _softmax_grad_kernel (two reads); off until it is measured on a GPU. stages > 1
+# pipelines the row loops' loads through shared memory (cp.async; seen in the PTX), unmeasured.
 CONFIGS = {
-    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, single_read=False),
-    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, single_read=False),
+    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, stages=1, single_read=False),
+    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, stages=1, single_read=False),
 }
 REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kernel rebases a row
 # Extra memory a call may hold: the (n, V) buffer plus, when the weight is not fp32, the fp32 dw
@@ -113,6 +114,7 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_d
             p = torch.empty((n, D), device=dev, dtype=torch.float32)  # E @ w of a chunk
             xs_scaled = torch.empty((n, D), device=dev, dtype=x.dtype)  # f * x of a chunk
     launch = dict(G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], BD=cfg["BD"])
+    launch.update(STAGES=cfg["stages"])
     launch.update(UPCAST=not cuda, num_warps=cfg["num_warps"])
 
     for i, c0 in enumerate(range(0, N, n)):

@@ -97,6 +97,7 @@ def _softmax_grad_kernel(
     WRITE_G: tl.constexpr,
     BV: tl.constexpr,
     BD: tl.constexpr,
+    STAGES: tl.constexpr,  # software pipelining of the row loops' loads (1: none)
     UPCAST: tl.constexpr,
 ):
     lanes = tl.arange(0, BV)
@@ -109,7 +110,7 @@ def _softmax_grad_kernel(
         # pass 1: per-lane running (max, sum), one exp per element, no reductions in the loop
         m = tl.full((BV,), float("-inf"), tl.float32)
         s = tl.zeros((BV,), tl.float32)
-        for v0 in range(0, vocab_size, BV):
+        for v0 in tl.range(0, vocab_size, BV, num_stages=STAGES):
             cols = v0 + lanes
             z = _load_logits(z_row, cols, V, vocab_size)
             new_max = z > m
@@ -130,7 +131,7 @@ def _softmax_grad_kernel(
                 g = tl.load(g_ptr)
             g = tl.where(valid, g, 0.0)
             lse2 = lse * LOG2E
-            for v0 in range(0, V, BV):
+            for v0 in tl.range(0, V, BV, num_stages=STAGES):
                 cols = v0 + lanes
                 z = _load_logits(z_row, cols, V, vocab_size)
                 p = tl.exp2(z * LOG2E - lse2)  # 0 past vocab_size
@@ -160,6 +161,7 @@ def _exp_rows_kernel(
     REBASE: tl.constexpr,
     BV: tl.constexpr,
     BD: tl.constexpr,
+    STAGES: tl.constexpr,  # software pipelining of the row loops' loads (1: none)
     UPCAST: tl.constexpr,
 ):
     lanes = tl.arange(0, BV)
@@ -172,7 +174,7 @@ def _exp_rows_kernel(
         c = tl.max(_load_logits(z_row, lanes, V, vocab_size), axis=0)  # reference, <= row max
         s = tl.zeros((BV,), tl.float32)
         end = V if WRITE_G else vocab_size
-        for v0 in range(0, end, BV):
+        for v0 in tl.range(0, end, BV, num_stages=STAGES):
             cols = v0 + lanes
             z = _load_logits(z_row, cols, V, vocab_size)
             z_max = tl.max(z, axis=0)
