@@ -113,17 +113,16 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_d
         if want_grad:
             p = torch.empty((n, D), device=dev, dtype=torch.float32)  # E @ w of a chunk
             xs_scaled = torch.empty((n, D), device=dev, dtype=x.dtype)  # f * x of a chunk
-    launch = dict(G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], BD=cfg["BD"])
-    launch.update(STAGES=cfg["stages"])
+    launch = dict(G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], STAGES=cfg["stages"])
     launch.update(UPCAST=not cuda, num_warps=cfg["num_warps"])
 
     for i, c0 in enumerate(range(0, N, n)):
         rows = min(n, N - c0)
         xs, z, dxs = x[c0 : c0 + rows], buf[:rows], dx[c0 : c0 + rows]
         torch.mm(xs, w.t(), out=z)
-        args = (z, xs, w, y[c0 : c0 + rows], g[c0 : c0 + rows] if g_per_row else g)
+        args = (z, y[c0 : c0 + rows], g[c0 : c0 + rows] if g_per_row else g)
         args += (losses[c0 : c0 + rows],) + ((f,) if single else ())
-        args += (rows, V, vocab_size, D, z.stride(0), xs.stride(0), w.stride(0), ignore_index)
+        args += (rows, V, vocab_size, z.stride(0), ignore_index)
         grid = (min(rows, programs),)
         if not single:  # z -> G in place; dx = G @ w, dw += G.T @ x
             kernels._softmax_grad_kernel[grid](*args, **launch)

@@ -3,7 +3,7 @@
 Dims: N tokens, D hidden, V weight rows (padded vocab), Vr = vocab_size <= V real columns.
 Math, for x (N, D), w (V, D), targets y (N,) and per-row gradient weights g (N,):
     z = x @ w.T                  logits; columns v >= Vr are out of the softmax
-    lse_n = log sum_{v<Vr} exp(z_nv)         loss_n = lse_n - x_n . w_{y_n}
+    lse_n = log sum_{v<Vr} exp(z_nv)         loss_n = lse_n - z_{n, y_n}
     G = diag(g) (softmax(z) - onehot(y))     (N, V), the gradient of sum_n g_n loss_n wrt z
     dx = G @ w   (N, D)          dw = G.T @ x   (V, D)
 g_n is 1/count (mean), 1 (sum) or the upstream gradient ("none"); 0 for ignored targets.
@@ -17,8 +17,10 @@ elementwise work is two reads and one write of the buffer (one of each in the si
 _softmax_grad_kernel, one program per row at a time (persistent over rows):
   pass 1   per-lane running max m and sum s over the real columns with one exp per element
            (s = s * exp(m - z) + 1 when z is a new max, else s + exp(z - m)); lse from the lanes.
-  target   x_n . w_{y_n} in fp32 from the inputs (not the rounded stored logit): the target term
-           carries fp32 error only; lse sees the bf16 rounding of z, as torch's bf16 path does.
+  loss     lse - z_y with z_y the stored (rounded) logit, as torch's bf16 path computes it: when
+           p_y ~ 1 the two terms share the rounding of z_y, which cancels. (A target logit in
+           fp32 next to an lse from rounded logits was tried: 6x more accurate early in training,
+           but ~|z_y| 2^-9 off per token once predictions are confident.)
   pass 2   G = g_n (exp(z - lse) - onehot) over all V columns (0 past Vr), rounded once to the
            buffer's dtype, overwriting z. The row was just read, so this re-read can hit L2
            (measured: the kernel moves its 9.9 GB at 124M in 3.1 ms, ~3.2 TB/s of HBM-equivalent).
@@ -26,7 +28,8 @@ _softmax_grad_kernel, one program per row at a time (persistent over rows):
 Single-read variant (CONFIGS "single_read"; not yet the default: unmeasured on a GPU). The second
 read above is there because exp() needs the row's lse before G can be written. Writing instead
   E_nv = exp(z_nv - c_n),  c_n = max of the row's first block (<= the row max), and
-  E_{n,y_n} -= S_n = sum_v E_nv       (the one-hot, folded in at the end: one element)
+  E_{n,y_n} -= S_n = sum_v E_nv       (the one-hot, folded in at the end: one element, from
+                                        the fp32 exp of z_y, so that p_y ~ 1 does not cancel)
 gives G = diag(f) E with ONE scale per row, f_n = g_n / S_n, so the row is read and written once
 (_exp_rows_kernel), and the scale moves outside the GEMMs: dx = diag(f) (E @ w) from an fp32 GEMM
 output, dw += E.T @ (f * x) with f * x rounded once to the compute dtype (_row_scale_kernel).
@@ -62,41 +65,19 @@ def _load_logits(z_row, cols, V, vocab_size):
 
 
 @triton.jit
-def _target_loss(
-    x_ptr, w_ptr, loss_ptr, r, r64, y, valid, lse, D, stride_x, stride_w, BD: tl.constexpr
-):
-    """loss_r = lse - x_r . w_{y_r} with the dot in fp32; 0 for an ignored row."""
-    ks = tl.arange(0, BD)
-    yc = tl.where(valid, y, 0)  # an ignored row reads row 0 and discards it
-    acc = tl.zeros((BD,), tl.float32)
-    for k in range(0, D, BD):
-        ok = (k + ks) < D
-        xv = tl.load(x_ptr + r64 * stride_x + k + ks, mask=ok, other=0.0)
-        wv = tl.load(w_ptr + yc * stride_w + k + ks, mask=ok, other=0.0)
-        acc += xv.to(tl.float32) * wv.to(tl.float32)
-    tl.store(loss_ptr + r, tl.where(valid, lse - tl.sum(acc, axis=0), 0.0))
-
-
-@triton.jit
 def _softmax_grad_kernel(
     z_ptr,  # (n, V) logits of the chunk, compute dtype; overwritten by G when WRITE_G
-    x_ptr,  # (n, D) chunk of x
-    w_ptr,  # (V, D)
     y_ptr,  # (n,) int64 targets
     g_ptr,  # (1,) or (n,) fp32 gradient weight(s)
     loss_ptr,  # (n,) fp32 out: per-row loss, 0 for ignored rows
     n_rows,
     V,
     vocab_size,
-    D,
     stride_z,
-    stride_x,
-    stride_w,
     ignore_index,
     G_PER_ROW: tl.constexpr,
     WRITE_G: tl.constexpr,
     BV: tl.constexpr,
-    BD: tl.constexpr,
     STAGES: tl.constexpr,  # software pipelining of the row loops' loads (1: none)
     UPCAST: tl.constexpr,
 ):
@@ -122,7 +103,10 @@ def _softmax_grad_kernel(
         s_row = tl.sum(s * tl.exp2((m - m_row) * LOG2E), axis=0)
         lse = m_row + tl.log(s_row)
 
-        _target_loss(x_ptr, w_ptr, loss_ptr, r, r64, y, valid, lse, D, stride_x, stride_w, BD)
+        # the target's logit as stored (rounded like the rest): lse - z_y then cancels the
+        # rounding that dominates both terms when p_y ~ 1, as torch's bf16 path does
+        z_y = tl.load(z_row + tl.where(valid, y, 0)).to(tl.float32)
+        tl.store(loss_ptr + r, tl.where(valid, lse - z_y, 0.0))
 
         if WRITE_G:
             if G_PER_ROW:
@@ -142,8 +126,6 @@ def _softmax_grad_kernel(
 @triton.jit
 def _exp_rows_kernel(
     z_ptr,  # (n, V) logits of the chunk; overwritten by E (one-hot folded in) when WRITE_G
-    x_ptr,  # (n, D)
-    w_ptr,  # (V, D)
     y_ptr,  # (n,) int64
     g_ptr,  # (1,) or (n,) fp32
     loss_ptr,  # (n,) fp32 out
@@ -151,16 +133,12 @@ def _exp_rows_kernel(
     n_rows,
     V,
     vocab_size,
-    D,
     stride_z,
-    stride_x,
-    stride_w,
     ignore_index,
     G_PER_ROW: tl.constexpr,
     WRITE_G: tl.constexpr,
     REBASE: tl.constexpr,
     BV: tl.constexpr,
-    BD: tl.constexpr,
     STAGES: tl.constexpr,  # software pipelining of the row loops' loads (1: none)
     UPCAST: tl.constexpr,
 ):
@@ -172,6 +150,7 @@ def _exp_rows_kernel(
         y = tl.load(y_ptr + r)
         valid = y != ignore_index
         c = tl.max(_load_logits(z_row, lanes, V, vocab_size), axis=0)  # reference, <= row max
+        z_y = tl.load(z_row + tl.where(valid, y, 0)).to(tl.float32)  # before E overwrites it
         s = tl.zeros((BV,), tl.float32)
         end = V if WRITE_G else vocab_size
         for v0 in tl.range(0, end, BV, num_stages=STAGES):
@@ -192,16 +171,16 @@ def _exp_rows_kernel(
                 tl.store(z_row + cols, _cast(e, out_ty, UPCAST), mask=cols < V)
         S = tl.sum(s, axis=0)
         lse = c + tl.log(S)
-        _target_loss(x_ptr, w_ptr, loss_ptr, r, r64, y, valid, lse, D, stride_x, stride_w, BD)
+        tl.store(loss_ptr + r, tl.where(valid, lse - z_y, 0.0))
         if WRITE_G:
             if G_PER_ROW:
                 g = tl.load(g_ptr + r)
             else:
                 g = tl.load(g_ptr)
             tl.store(f_ptr + r, tl.where(valid, g / S, 0.0))
-            if valid:  # the one-hot: G_y = f (E_y - S) = g (p_y - 1)
-                e_y = tl.load(z_row + y).to(tl.float32)
-                tl.store(z_row + y, _cast(e_y - S, out_ty, UPCAST))
+            if valid:  # the one-hot: G_y = f (E_y - S) = g (p_y - 1), E_y from z_y in fp32
+                e_y = tl.exp2((z_y - c) * LOG2E)  # not the stored, rounded E_y: when p_y ~ 1,
+                tl.store(z_row + y, _cast(e_y - S, out_ty, UPCAST))  # E_y - S cancels
 
 
 @triton.jit

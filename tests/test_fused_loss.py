@@ -115,6 +115,21 @@ def test_late_row_max_rebases(dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_confident_correct_predictions(dtype):
+    # Targets at the argmax with p ~ 0.99: the target's gradient g (p - 1) is small next to p,
+    # so forming it from a rounded p loses it (cancellation); it must be as exact as torch's.
+    x, w, t = _make(48, 32, 80, 80, torch.float64, "cpu", logit_std=1.0, seed=11)
+    wt = w[t]
+    x = x + 12.0 * wt / (wt * wt).sum(-1, keepdim=True)  # the target logit +12: p ~ 0.98
+    assert torch.softmax(x @ w.T, -1).gather(1, t[:, None]).mean() > 0.97
+    x, w = x.to(dtype), w.to(dtype)
+    t[::5] = -100
+    _check(x, w, t, 80, "mean", torch.tensor(1.0))
+    _check(x, w, t, 80, "none", torch.rand(48))
+
+
+@needs_kernels
 def test_many_chunks(monkeypatch):
     # A tiny memory budget forces several row chunks: dw accumulates across them in fp32 (a
     # temporary for bf16 weights, which takes its share of the budget), dx is written per chunk.

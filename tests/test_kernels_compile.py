@@ -24,11 +24,11 @@ from triton.compiler import ASTSource
 from fused_loss import kernels
 
 TARGET = GPUTarget("cuda", 90, 32)
-ROW_ARGS = ["z_ptr", "x_ptr", "w_ptr", "y_ptr", "g_ptr", "loss_ptr"]
-ROW_INTS = ["n_rows", "V", "vocab_size", "D", "stride_z", "stride_x", "stride_w", "ignore_index"]
+ROW_ARGS = ["z_ptr", "y_ptr", "g_ptr", "loss_ptr"]
+ROW_INTS = ["n_rows", "V", "vocab_size", "stride_z", "ignore_index"]
 # As a launch at the 124M shape specialises them: pointers 16-byte aligned, V = 50304, D = 768
-# and the strides divisible by 16; vocab_size = 50257 and n_rows not.
-DIV16 = {"V", "D", "stride_z", "stride_x", "stride_w", "numel"}
+# and the row stride divisible by 16; vocab_size = 50257 and n_rows not.
+DIV16 = {"V", "D", "stride_z", "numel"}
 
 
 def build(fn, sig, consts, num_warps):
@@ -44,7 +44,7 @@ def build(fn, sig, consts, num_warps):
 
 
 def row_sig(dt, single):
-    types = [f"*{dt}"] * 3 + ["*i64", "*fp32", "*fp32"] + (["*fp32"] if single else [])
+    types = [f"*{dt}", "*i64", "*fp32", "*fp32"] + (["*fp32"] if single else [])
     names = ROW_ARGS + (["f_ptr"] if single else [])
     return dict(zip(names + ROW_INTS, types + ["i32"] * len(ROW_INTS)))
 
@@ -52,7 +52,7 @@ def row_sig(dt, single):
 out = {}
 for write_g in (True, False):
     for dt in ("bf16", "fp32"):
-        c = dict(G_PER_ROW=not write_g, WRITE_G=write_g, BV=4096, BD=256, UPCAST=False)
+        c = dict(G_PER_ROW=not write_g, WRITE_G=write_g, BV=4096, UPCAST=False)
         c["STAGES"] = 1 if dt == "bf16" else 3
         out[f"softmax_grad {dt} write_g={write_g}"] = build(
             kernels._softmax_grad_kernel, row_sig(dt, False), c, 8)
