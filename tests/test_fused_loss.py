@@ -260,6 +260,18 @@ def test_gpu_real_sizes(shape, reduction):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_confident_correct_predictions():
+    # As test_confident_correct_predictions, at the real vocabulary: p_y ~ 0.98 on most rows.
+    x, w, t = _make(2048, 768, 50304, 50257, torch.float32, "cuda", logit_std=1.0, seed=12)
+    wt = w[t]
+    x = x + 14.0 * wt / (wt * wt).sum(-1, keepdim=True)
+    x, w = x.bfloat16(), w.bfloat16()
+    t[::9] = -100
+    _check(x, w, t, 50257, "mean", torch.tensor(1.0, device="cuda"), factor=1.2, slack=2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_many_chunks_fp32_master(monkeypatch):
     monkeypatch.setattr(fl, "EXTRA_BYTES", 8 * 2**20)  # MIN_ROWS-row chunks: 3 of them
     x, w, t = _make(3000, 768, 50304, 50257, torch.float32, "cuda", ignore_frac=0.05, seed=8)
