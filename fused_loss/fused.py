@@ -53,43 +53,36 @@ def chunk_rows(N, V, elt_size, acc_bytes=0, multiple=CHUNK_MULTIPLE, min_rows=No
     return max(multiple, min(n, triton.cdiv(N, multiple) * multiple))
 
 
-def _add_dw(dw, g, x, first):
-    """dw (fp32) += g.T @ x (or = when first), g and x in the compute dtype, fp32 accumulation.
+def _matmul_fp32(out, a, b, accumulate):
+    """out (fp32) = a @ b, or += when accumulate; a, b in the compute dtype, fp32 accumulation.
 
-    On CUDA one cuBLAS call with an fp32 output (addmm's out_dtype); on CPU (interpreter tests)
-    the same sum through an fp32 copy.
+    On CUDA one cuBLAS call with an fp32 output (out_dtype); on CPU (interpreter tests) the same
+    product through fp32 copies.
     """
-    beta = 0 if first else 1
-    if dw.dtype == x.dtype:
-        torch.addmm(dw, g.t(), x, beta=beta, out=dw)
-    elif dw.device.type == "cuda":
-        torch.addmm(dw, g.t(), x, out_dtype=torch.float32, beta=beta, out=dw)
-    else:
-        torch.addmm(dw, g.t().float(), x.float(), beta=beta, out=dw)
-
-
-def _mm_fp32(a, b, out):
-    """out (fp32) = a @ b for a, b in the compute dtype, fp32 accumulation, no rounding between."""
+    beta = 1 if accumulate else 0
     if a.dtype == torch.float32:
-        torch.mm(a, b, out=out)
+        torch.addmm(out, a, b, beta=beta, out=out)
     elif a.device.type == "cuda":
-        torch.mm(a, b, out_dtype=torch.float32, out=out)
+        torch.addmm(out, a, b, out_dtype=torch.float32, beta=beta, out=out)
     else:
-        torch.mm(a.float(), b.float(), out=out)
+        torch.addmm(out, a.float(), b.float(), beta=beta, out=out)
 
 
-def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_dtype=None):
-    """One chunked pass. x (N, D), w (V, D) in x's dtype, y (N,) int64, g: (1,) or (N,) fp32.
+def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
+    """One chunked pass. x (N, D), w (V, D) (any float dtype), y (N,) int64, g: (1,) or (N,) fp32.
 
-    Returns per-row losses (N,) fp32 and, if want_grad, dx (N, D) in x.dtype and dw (V, D) in
-    dw_dtype, the gradients of sum_n g_n loss_n.
+    Returns per-row losses (N,) fp32 and, if want_grad, dx (N, D) in x's dtype and dw (V, D) in
+    w's dtype, the gradients of sum_n g_n loss_n. The GEMMs run in x's dtype: w is cast to it (a
+    temporary copy when they differ, e.g. an fp32 master weight under autocast).
     """
+    dw_dtype = w.dtype
+    x = x.contiguous()
+    w = w.contiguous() if w.dtype == x.dtype else w.to(x.dtype)
     N, D = x.shape
     V = w.shape[0]
     dev = x.device
     cuda = dev.type == "cuda"
     cfg = CONFIGS["cuda" if cuda else "cpu"]
-    dw_dtype = dw_dtype or w.dtype
     if N == 0:  # no tokens: no loss terms, zero gradients
         loss = x.new_zeros(0, dtype=torch.float32)
         if want_grad:
@@ -128,26 +121,19 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row, dw_d
             kernels._softmax_grad_kernel[grid](*args, **launch)
             if want_grad:
                 torch.mm(z, w, out=dxs)
-                _add_dw(dw, z, xs, first=i == 0)
+                _matmul_fp32(dw, z.t(), xs, accumulate=i > 0)
         else:  # z -> E in place; dx = f * (E @ w), dw += E.T @ (f * x)
             kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, **launch)
             if want_grad:
-                _mm_fp32(z, w, out=p[:rows])
+                _matmul_fp32(p[:rows], z, w, accumulate=False)
                 kernels._row_scale_kernel[(rows,)](
                     p, xs, f, dxs, xs_scaled, D, BD=cfg["BD"], UPCAST=not cuda
                 )
-                _add_dw(dw, z, xs_scaled[:rows], first=i == 0)
+                _matmul_fp32(dw, z.t(), xs_scaled[:rows], accumulate=i > 0)
     del buf, z  # free the buffer before the cast allocates dw in its dtype
     if want_grad and dw_dtype != torch.float32:
         dw = dw.to(dw_dtype)
     return losses, dx, dw
-
-
-def _prepare(x, w):
-    """The kernels want contiguous rows and w in x's dtype (a temporary copy when they differ)."""
-    x = x.contiguous()
-    w = w.contiguous() if w.dtype == x.dtype else w.to(x.dtype)
-    return x, w
 
 
 @torch.library.custom_op("fused_loss::lce_forward", mutates_args=())
@@ -160,8 +146,6 @@ def _lce_forward(
     reduction: str,
     want_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    w_dtype = w.dtype
-    x, wc = _prepare(x, w)
     valid = y != ignore_index
     if reduction == "mean":
         g = 1.0 / valid.sum().clamp(min=1).to(torch.float32).reshape(1)  # on device, no sync
@@ -170,14 +154,13 @@ def _lce_forward(
     grads = want_grad and reduction != "none"
     losses, dx, dw = lce_pass(
         x,
-        wc,
+        w,
         y,
         g,
         ignore_index=ignore_index,
         vocab_size=vocab_size,
         want_grad=grads,
         g_per_row=False,
-        dw_dtype=w_dtype,
     )
     loss = losses if reduction == "none" else losses.sum() * g[0]
     return loss, dx, dw
@@ -201,19 +184,9 @@ def _lce_backward_rows(
     ignore_index: int,
     vocab_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    w_dtype = w.dtype
-    x, wc = _prepare(x, w)
     g = grad_rows.to(torch.float32).contiguous()
     _, dx, dw = lce_pass(
-        x,
-        wc,
-        y,
-        g,
-        ignore_index=ignore_index,
-        vocab_size=vocab_size,
-        want_grad=True,
-        g_per_row=True,
-        dw_dtype=w_dtype,
+        x, w, y, g, ignore_index=ignore_index, vocab_size=vocab_size, want_grad=True, g_per_row=True
     )
     return dx, dw
 

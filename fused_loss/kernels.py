@@ -65,6 +65,16 @@ def _load_logits(z_row, cols, V, vocab_size):
 
 
 @triton.jit
+def _row_weight(g_ptr, r, valid, G_PER_ROW: tl.constexpr):
+    """g_r: the one weight, or row r's, or 0 for an ignored row."""
+    if G_PER_ROW:
+        g = tl.load(g_ptr + r)
+    else:
+        g = tl.load(g_ptr)
+    return tl.where(valid, g, 0.0)
+
+
+@triton.jit
 def _softmax_grad_kernel(
     z_ptr,  # (n, V) logits of the chunk, compute dtype; overwritten by G when WRITE_G
     y_ptr,  # (n,) int64 targets
@@ -109,11 +119,7 @@ def _softmax_grad_kernel(
         tl.store(loss_ptr + r, tl.where(valid, lse - z_y, 0.0))
 
         if WRITE_G:
-            if G_PER_ROW:
-                g = tl.load(g_ptr + r)
-            else:
-                g = tl.load(g_ptr)
-            g = tl.where(valid, g, 0.0)
+            g = _row_weight(g_ptr, r, valid, G_PER_ROW)
             lse2 = lse * LOG2E
             for v0 in tl.range(0, V, BV, num_stages=STAGES):
                 cols = v0 + lanes
@@ -173,11 +179,7 @@ def _exp_rows_kernel(
         lse = c + tl.log(S)
         tl.store(loss_ptr + r, tl.where(valid, lse - z_y, 0.0))
         if WRITE_G:
-            if G_PER_ROW:
-                g = tl.load(g_ptr + r)
-            else:
-                g = tl.load(g_ptr)
-            tl.store(f_ptr + r, tl.where(valid, g / S, 0.0))
+            tl.store(f_ptr + r, _row_weight(g_ptr, r, valid, G_PER_ROW) / S)
             if valid:  # the one-hot: G_y = f (E_y - S) = g (p_y - 1), E_y from z_y in fp32
                 e_y = tl.exp2((z_y - c) * LOG2E)  # not the stored, rounded E_y: when p_y ~ 1,
                 tl.store(z_row + y, _cast(e_y - S, out_ty, UPCAST))  # E_y - S cancels
