@@ -342,6 +342,45 @@ class _StopFlag:
         print(f"signal {signum}: finishing this step, saving a checkpoint, exiting", flush=True)
 
 
+class _StepStats:
+    """One step's (loss, grad norm, stop flag), read back one step late.
+
+    Reading them at once (.item()) makes the host wait for the GPU at the end of every step, and
+    the GPU then idles while the host launches the next one (~3 ms of a 63 ms step at 124M on an
+    H200). Instead the numbers go to pinned host memory behind an event, and the loop reads them
+    after it has queued the next step. On CPU the same order is kept with wall-clock times.
+    """
+
+    def __init__(self, device, step, lr):
+        self.cuda = device.type == "cuda"
+        self.step, self.lr = step, lr
+        self.start = self._mark()
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def finish(self, stats):
+        if self.cuda:
+            self.host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+            self.host.copy_(stats, non_blocking=True)
+        else:
+            self.host = stats
+        self.end = self._mark()
+
+    def read(self, since=None):
+        """The stats as floats and the step's time in seconds: from `since` (the previous step's
+        end, when nothing ran in between) or from this step's start."""
+        since = self.start if since is None else since
+        if not self.cuda:
+            return self.host.tolist(), self.end - since
+        self.end.synchronize()
+        return self.host.tolist(), since.elapsed_time(self.end) / 1000
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -555,9 +594,46 @@ def main(argv=None):
         old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
         stop_all = False  # stop.requested on any rank, agreed through the all-reduce below
         val_loss = None
+        pending, prev_end = None, None  # the last step's _StepStats, read one step late
+
+        def report(st, since):
+            """Log a finished step; stop on a non-finite loss or norm. Returns stop_all."""
+            (loss_val, stop_val, norm_val), dt = st.read(since)
+            loss_val /= world_size
+            if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
+                raise SystemExit(
+                    f"error: step {st.step}: loss {loss_val}, grad norm {norm_val}: not finite. "
+                    "Stopped without saving; the last checkpoint is intact. Try a lower "
+                    "learning_rate or more warmup_steps."
+                )
+            mfu = flops_per_step / dt / (peak * world_size) if peak else None
+            rec = {
+                "step": st.step,
+                "loss": loss_val,
+                "lr": st.lr,
+                "grad_norm": norm_val,
+                "ms": 1000 * dt,
+                "tok_per_s": tokens_per_step / dt,
+                "mfu": mfu,
+            }
+            print0(format_step(rec, cfg.max_steps))
+            log(rec)
+            return stop_val > 0
+
         for step in range(start_step, cfg.max_steps + 1):
             last_step = step == cfg.max_steps
             fresh = step > start_step or start_step == 0  # a resumed run did its first top
+            top_work = (
+                last_step
+                or stop_all
+                or any(
+                    every(step, k)
+                    for k in (cfg.eval_interval, cfg.sample_interval, cfg.ckpt_interval)
+                )
+            )  # the same on every rank: all of them read the same steps at the same points
+            if pending is not None and top_work:  # before any eval or checkpoint: it may stop us
+                stop_all = report(pending, prev_end) or stop_all
+                pending, prev_end = None, None
             if fresh and (last_step or every(step, cfg.eval_interval)):
                 val_loss = evaluate()
                 rec, msg = {"step": step, "val_loss": val_loss}, f"val loss {val_loss:.6f}"
@@ -583,10 +659,10 @@ def main(argv=None):
             if last_step or stop_all:
                 break
 
-            t0 = time.perf_counter()
             lr = get_lr(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            st = _StepStats(device, step, lr)
             loss_sum = torch.zeros((), device=device)
             for micro in range(grad_accum):
                 x, y = loader.next_batch()
@@ -599,30 +675,15 @@ def main(argv=None):
             norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            stats = torch.stack([loss_sum, torch.tensor(float(stop.requested), device=device)])
+            # torch.full, not torch.tensor: a host-to-device copy of a Python number would sync
+            stats = torch.stack([loss_sum, torch.full((), float(stop.requested), device=device)])
             if ddp:
                 dist.all_reduce(stats)  # loss summed over ranks; a stop on any rank stops all
-            loss_val, stop_all = stats[0].item() / world_size, bool(stats[1].item() > 0)
-            norm_val = norm.item()
-            dt = time.perf_counter() - t0
-            if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
-                raise SystemExit(
-                    f"error: step {step}: loss {loss_val}, grad norm {norm_val}: not finite. "
-                    "Stopped without saving; the last checkpoint is intact. Try a lower "
-                    "learning_rate or more warmup_steps."
-                )
-            mfu = flops_per_step / dt / (peak * world_size) if peak else None
-            rec = {
-                "step": step,
-                "loss": loss_val,
-                "lr": lr,
-                "grad_norm": norm_val,
-                "ms": 1000 * dt,
-                "tok_per_s": tokens_per_step / dt,
-                "mfu": mfu,
-            }
-            print0(format_step(rec, cfg.max_steps))
-            log(rec)
+            st.finish(torch.cat([stats, norm.reshape(1).to(stats.dtype)]))
+            if pending is not None:  # this step is queued: now read the previous one
+                stop_all = report(pending, prev_end) or stop_all
+                prev_end = pending.end
+            pending = st
     except torch.OutOfMemoryError as e:
         raise torch.OutOfMemoryError(
             f"{e}\nHint: lower the micro-batch, e.g. --batch_size={max(1, cfg.batch_size // 2)}; "

@@ -11,6 +11,7 @@ Liger and CCE are optional: if they do not import, their rows say so.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -161,37 +162,40 @@ def kernel_breakdown(x, w, t, vocab):
 # Variants of ours, timed at the 124M shape: memory budget (chunk size) and the row kernel's
 # launch (overrides of fl.EXTRA_BYTES and fl.CONFIGS["cuda"]).
 VARIANTS = {
-    "extra448": dict(extra=448 * MiB),
-    "extra640": dict(extra=640 * MiB),
+    "two_reads_bv2048": dict(row=dict(BV=2048)),
+    "two_reads_bv4096_w16_sm2": dict(row=dict(num_warps=16, per_sm=2)),
+    "two_reads_sm3": dict(row=dict(per_sm=3)),
     "single_read": dict(row=dict(single_read=True)),
-    "single_read_bv2048": dict(row=dict(single_read=True, BV=2048)),
-    "single_read_bv8192": dict(row=dict(single_read=True, BV=8192)),
-    "single_read_sm2": dict(row=dict(single_read=True, per_sm=2)),
-    "single_read_extra448": dict(row=dict(single_read=True), extra=448 * MiB),
-    "stages2": dict(row=dict(stages=2)),
-    "stages3": dict(row=dict(stages=3)),
-    "stages3_bv2048": dict(row=dict(stages=3, BV=2048)),
-    "single_read_stages3": dict(row=dict(single_read=True, stages=3)),
+    "single_read_bv2048_sm3": dict(row=dict(single_read=True, BV=2048, per_sm=3)),
+    "single_read_w16_sm2": dict(row=dict(single_read=True, num_warps=16, per_sm=2)),
+    "extra336": dict(extra=336 * MiB),
+    "extra640": dict(extra=640 * MiB),
     # the trainer's case: fp32 master weight under autocast (default 320 MiB: 10 chunks)
-    "master_extra640": dict(extra=640 * MiB, master=True),
-    "master_single_read": dict(row=dict(single_read=True), master=True),
-    "master_single_read_extra640": dict(row=dict(single_read=True), extra=640 * MiB, master=True),
+    "master_two_reads": dict(row=dict(single_read=False), master=True),
+    "master_single_read_w16_sm2": dict(row=dict(num_warps=16, per_sm=2), master=True),
 }
 
 
-def run_variant(name, x, w, t, ref, reps):
+@contextlib.contextmanager
+def variant(name):
+    """fl.CONFIGS["cuda"] and fl.EXTRA_BYTES as VARIANTS[name] sets them, restored after."""
     v = VARIANTS[name]
     saved_cfg, saved_extra = dict(fl.CONFIGS["cuda"]), fl.EXTRA_BYTES
     try:
         fl.CONFIGS["cuda"].update(v.get("row", {}))
         fl.EXTRA_BYTES = v.get("extra", saved_extra)
-        if v.get("master"):
-            return measure(master_weight(fused_linear_cross_entropy), x, w.float(), t, ref, reps)
-        return measure(fused_linear_cross_entropy, x, w, t, ref, reps)
+        yield v
     finally:
         fl.CONFIGS["cuda"].clear()
         fl.CONFIGS["cuda"].update(saved_cfg)
         fl.EXTRA_BYTES = saved_extra
+
+
+def run_variant(name, x, w, t, ref, reps):
+    with variant(name) as v:
+        if v.get("master"):
+            return measure(master_weight(fused_linear_cross_entropy), x, w.float(), t, ref, reps)
+        return measure(fused_linear_cross_entropy, x, w, t, ref, reps)
 
 
 def master_weight(fn):
@@ -226,6 +230,7 @@ def main():
     )
     print(info, flush=True)
     results = dict(info=info, rows=[], breakdown={})
+    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_fused_loss.json")
 
     def record(shape, name, res):
@@ -292,6 +297,11 @@ def main():
                 torch.cuda.empty_cache()
         try:
             results["breakdown"][shape] = kernel_breakdown(x, w, t, V)
+            if args.variants and shape == "124M":
+                with variant("two_reads_prefetch_bv2048"):
+                    results["breakdown"][f"{shape} two_reads_prefetch_bv2048"] = kernel_breakdown(
+                        x, w, t, V
+                    )
         except Exception as e:
             results["breakdown"][shape] = repr(e)[:300]
         with open(path, "w") as f:

@@ -19,12 +19,16 @@ from fused_loss.reference import linear_cross_entropy_reference
 # The row kernel's launch: BV columns per step, programs per SM (persistent over rows; 0: one
 # program per row). BV=4096/per_sm=4 measured best of those tried on the H200 (bench/RESULTS.md).
 # "cpu" serves the Triton interpreter in tests: small blocks so small ragged shapes span several.
-# single_read picks _exp_rows_kernel (one read of the buffer, the scales applied around the GEMMs;
-# kernels.py) over _softmax_grad_kernel (two reads); off until it is measured on a GPU. stages > 1
-# pipelines the row loops' loads through shared memory (cp.async; seen in the PTX), unmeasured.
+# single_read: _exp_rows_kernel (one read of the buffer, the row scales applied around the GEMMs;
+# kernels.py) instead of _softmax_grad_kernel (two reads). It rounds f * x for the dw GEMM, one
+# rounding more than torch's path, which shows in dw only when dw is rounded again at the end:
+# "auto" takes it when dw is fp32 (the fp32 master weight under autocast; H200: 0.5-1 ms faster,
+# dw error 1.09x torch's), not for bf16 weights (dw error 1.32x torch's). Tried on the H200 and
+# dropped, none faster (bench/RESULTS.md): the dx GEMM on a side stream next to dw, software
+# pipelining of the row loops (num_stages), prefetching the next block into registers.
 CONFIGS = {
-    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, stages=1, single_read=False),
-    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, stages=1, single_read=False),
+    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, single_read="auto"),
+    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, single_read="auto"),
 }
 REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kernel rebases a row
 # Extra memory a call may hold: the (n, V) buffer plus, when the weight is not fp32, the fp32 dw
@@ -93,7 +97,10 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     n = min(chunk_rows(N, V, x.element_size(), acc_bytes, **small), N)
     n = triton.cdiv(N, triton.cdiv(N, n))  # equal chunks: no short, inefficient last one
     programs = _num_sms(dev.index) * cfg["per_sm"] if cuda and cfg["per_sm"] else n
-    single = cfg["single_read"] and x.dtype != torch.float16  # E reaches e^60: not for fp16
+    single = cfg["single_read"]
+    if single == "auto":  # f * x adds a rounding to dw, hidden only when dw is not rounded again
+        single = dw_dtype == torch.float32
+    single = single and x.dtype != torch.float16  # E reaches e^60: not for fp16
 
     losses = torch.empty(N, device=dev, dtype=torch.float32)
     buf = torch.empty((n, V), device=dev, dtype=x.dtype)  # z, then G (or E) of one chunk
@@ -106,8 +113,9 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
         if want_grad:
             p = torch.empty((n, D), device=dev, dtype=torch.float32)  # E @ w of a chunk
             xs_scaled = torch.empty((n, D), device=dev, dtype=x.dtype)  # f * x of a chunk
-    launch = dict(G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], STAGES=cfg["stages"])
-    launch.update(UPCAST=not cuda, num_warps=cfg["num_warps"])
+    launch = dict(G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], UPCAST=not cuda)
+    launch.update(num_warps=cfg["num_warps"])
+    scale = dict(BD=cfg["BD"], UPCAST=not cuda)
 
     for i, c0 in enumerate(range(0, N, n)):
         rows = min(n, N - c0)
@@ -117,20 +125,21 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
         args += (losses[c0 : c0 + rows],) + ((f,) if single else ())
         args += (rows, V, vocab_size, z.stride(0), ignore_index)
         grid = (min(rows, programs),)
-        if not single:  # z -> G in place; dx = G @ w, dw += G.T @ x
-            kernels._softmax_grad_kernel[grid](*args, **launch)
-            if want_grad:
-                torch.mm(z, w, out=dxs)
-                _matmul_fp32(dw, z.t(), xs, accumulate=i > 0)
-        else:  # z -> E in place; dx = f * (E @ w), dw += E.T @ (f * x)
+        if single:  # z -> E in place, f = g / S
             kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, **launch)
-            if want_grad:
-                _matmul_fp32(p[:rows], z, w, accumulate=False)
-                kernels._row_scale_kernel[(rows,)](
-                    p, xs, f, dxs, xs_scaled, D, BD=cfg["BD"], UPCAST=not cuda
-                )
-                _matmul_fp32(dw, z.t(), xs_scaled[:rows], accumulate=i > 0)
-    del buf, z  # free the buffer before the cast allocates dw in its dtype
+        else:  # z -> G in place
+            kernels._softmax_grad_kernel[grid](*args, **launch)
+        if not want_grad:
+            continue
+        if single:  # dx = f * (E @ w), dw += E.T @ (f * x)
+            _matmul_fp32(p[:rows], z, w, accumulate=False)
+            kernels._row_scale_kernel[(rows,)](p, f, dxs, D, **scale)
+            kernels._row_scale_kernel[(rows,)](xs, f, xs_scaled, D, **scale)
+            _matmul_fp32(dw, z.t(), xs_scaled[:rows], accumulate=i > 0)
+        else:  # dx = G @ w, dw += G.T @ x
+            torch.mm(z, w, out=dxs)
+            _matmul_fp32(dw, z.t(), xs, accumulate=i > 0)
+    del buf, z, args  # free the buffer before the cast allocates dw in its dtype
     if want_grad and dw_dtype != torch.float32:
         dw = dw.to(dw_dtype)
     return losses, dx, dw

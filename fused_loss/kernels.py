@@ -32,7 +32,8 @@ read above is there because exp() needs the row's lse before G can be written. W
                                         the fp32 exp of z_y, so that p_y ~ 1 does not cancel)
 gives G = diag(f) E with ONE scale per row, f_n = g_n / S_n, so the row is read and written once
 (_exp_rows_kernel), and the scale moves outside the GEMMs: dx = diag(f) (E @ w) from an fp32 GEMM
-output, dw += E.T @ (f * x) with f * x rounded once to the compute dtype (_row_scale_kernel).
+output, dw += E.T @ (f * x) with f * x rounded once to the compute dtype (_row_scale_kernel, once
+for each).
 A block whose max passes c + REBASE (60 nats; e^60 * V still fits fp32) raises c to that max and
 rescales the row's already written E (rare: only rows whose first block is far below their max).
 
@@ -88,7 +89,6 @@ def _softmax_grad_kernel(
     G_PER_ROW: tl.constexpr,
     WRITE_G: tl.constexpr,
     BV: tl.constexpr,
-    STAGES: tl.constexpr,  # software pipelining of the row loops' loads (1: none)
     UPCAST: tl.constexpr,
 ):
     lanes = tl.arange(0, BV)
@@ -101,7 +101,7 @@ def _softmax_grad_kernel(
         # pass 1: per-lane running (max, sum), one exp per element, no reductions in the loop
         m = tl.full((BV,), float("-inf"), tl.float32)
         s = tl.zeros((BV,), tl.float32)
-        for v0 in tl.range(0, vocab_size, BV, num_stages=STAGES):
+        for v0 in range(0, vocab_size, BV):
             cols = v0 + lanes
             z = _load_logits(z_row, cols, V, vocab_size)
             new_max = z > m
@@ -121,7 +121,7 @@ def _softmax_grad_kernel(
         if WRITE_G:
             g = _row_weight(g_ptr, r, valid, G_PER_ROW)
             lse2 = lse * LOG2E
-            for v0 in tl.range(0, V, BV, num_stages=STAGES):
+            for v0 in range(0, V, BV):
                 cols = v0 + lanes
                 z = _load_logits(z_row, cols, V, vocab_size)
                 p = tl.exp2(z * LOG2E - lse2)  # 0 past vocab_size
@@ -145,7 +145,6 @@ def _exp_rows_kernel(
     WRITE_G: tl.constexpr,
     REBASE: tl.constexpr,
     BV: tl.constexpr,
-    STAGES: tl.constexpr,  # software pipelining of the row loops' loads (1: none)
     UPCAST: tl.constexpr,
 ):
     lanes = tl.arange(0, BV)
@@ -159,7 +158,7 @@ def _exp_rows_kernel(
         z_y = tl.load(z_row + tl.where(valid, y, 0)).to(tl.float32)  # before E overwrites it
         s = tl.zeros((BV,), tl.float32)
         end = V if WRITE_G else vocab_size
-        for v0 in tl.range(0, end, BV, num_stages=STAGES):
+        for v0 in range(0, end, BV):
             cols = v0 + lanes
             z = _load_logits(z_row, cols, V, vocab_size)
             z_max = tl.max(z, axis=0)
@@ -187,11 +186,9 @@ def _exp_rows_kernel(
 
 @triton.jit
 def _row_scale_kernel(
-    p_ptr,  # (n, D) fp32: E @ w of the chunk
-    x_ptr,  # (n, D) compute dtype
+    src_ptr,  # (n, D) fp32 or compute dtype: E @ w (fp32) or x of the chunk
     f_ptr,  # (n,) fp32 row scales
-    dx_ptr,  # (n, D) out: f * p, compute dtype
-    xs_ptr,  # (n, D) out: f * x, compute dtype (the dw GEMM's operand)
+    out_ptr,  # (n, D) out: f * src formed in fp32, rounded once to out's dtype
     D,
     BD: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -201,10 +198,8 @@ def _row_scale_kernel(
     f = tl.load(f_ptr + r)
     for k in range(0, D, BD):
         ok = (k + ks) < D
-        p = tl.load(p_ptr + r * D + k + ks, mask=ok, other=0.0)
-        xv = tl.load(x_ptr + r * D + k + ks, mask=ok, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + r * D + k + ks, _cast(f * p, dx_ptr.dtype.element_ty, UPCAST), mask=ok)
-        tl.store(xs_ptr + r * D + k + ks, _cast(f * xv, xs_ptr.dtype.element_ty, UPCAST), mask=ok)
+        v = tl.load(src_ptr + r * D + k + ks, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * D + k + ks, _cast(f * v, out_ptr.dtype.element_ty, UPCAST), mask=ok)
 
 
 @triton.jit
