@@ -162,17 +162,15 @@ def kernel_breakdown(x, w, t, vocab):
 # Variants of ours, timed at the 124M shape: memory budget (chunk size) and the row kernel's
 # launch (overrides of fl.EXTRA_BYTES and fl.CONFIGS["cuda"]).
 VARIANTS = {
-    "two_reads_bv2048": dict(row=dict(BV=2048)),
-    "two_reads_bv4096_w16_sm2": dict(row=dict(num_warps=16, per_sm=2)),
-    "two_reads_sm3": dict(row=dict(per_sm=3)),
+    "bv2048_sm5": dict(row=dict(BV=2048, per_sm=5)),
+    "bv4096_w16_sm2": dict(row=dict(num_warps=16, per_sm=2)),
+    "sm3": dict(row=dict(per_sm=3)),
     "single_read": dict(row=dict(single_read=True)),
-    "single_read_bv2048_sm3": dict(row=dict(single_read=True, BV=2048, per_sm=3)),
     "single_read_w16_sm2": dict(row=dict(single_read=True, num_warps=16, per_sm=2)),
-    "extra336": dict(extra=336 * MiB),
     "extra640": dict(extra=640 * MiB),
     # the trainer's case: fp32 master weight under autocast (default 320 MiB: 10 chunks)
     "master_two_reads": dict(row=dict(single_read=False), master=True),
-    "master_single_read_w16_sm2": dict(row=dict(num_warps=16, per_sm=2), master=True),
+    "master_single_read_bv2048_sm4": dict(row=dict(BV=2048, per_sm=4), master=True),
 }
 
 
@@ -214,6 +212,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--variants", action="store_true", help="also time tile/buffer variants")
+    ap.add_argument("--methods", default="", help="comma list to run (default: all)")
     ap.add_argument(
         "--checkpoint", help="also bench on this checkpoint's hidden states (124M-real)"
     )
@@ -241,6 +240,8 @@ def main():
             json.dump(results, f, indent=1)
 
     meths = methods()
+    if args.methods:
+        meths = {k: v for k, v in meths.items() if k in args.methods.split(",")}
     shapes = [s for s in args.shapes.split(",") if s] + (["124M-real"] if args.checkpoint else [])
     for shape in shapes:
         if shape == "124M-real":
@@ -298,10 +299,8 @@ def main():
         try:
             results["breakdown"][shape] = kernel_breakdown(x, w, t, V)
             if args.variants and shape == "124M":
-                with variant("two_reads_prefetch_bv2048"):
-                    results["breakdown"][f"{shape} two_reads_prefetch_bv2048"] = kernel_breakdown(
-                        x, w, t, V
-                    )
+                with variant("bv2048_sm5"):
+                    results["breakdown"][f"{shape} bv2048_sm5"] = kernel_breakdown(x, w, t, V)
         except Exception as e:
             results["breakdown"][shape] = repr(e)[:300]
         with open(path, "w") as f:

@@ -25,7 +25,8 @@ from fused_loss.reference import linear_cross_entropy_reference
 # "auto" takes it when dw is fp32 (the fp32 master weight under autocast; H200: 0.5-1 ms faster,
 # dw error 1.09x torch's), not for bf16 weights (dw error 1.32x torch's). Tried on the H200 and
 # dropped, none faster (bench/RESULTS.md): the dx GEMM on a side stream next to dw, software
-# pipelining of the row loops (num_stages), prefetching the next block into registers.
+# pipelining of the row loops (num_stages), prefetching the next block into registers, chunk
+# counts chosen to fill the last wave of persistent programs, BV 2048 with 4-6 programs per SM.
 CONFIGS = {
     "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, single_read="auto"),
     "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, single_read="auto"),
