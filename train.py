@@ -86,12 +86,18 @@ class TrainConfig:
     device: str = "auto"  # "auto", "cpu", "cuda"
     dtype: str = "auto"  # "auto" (bfloat16 autocast on CUDA, float32 on CPU), "bfloat16", "float32"
     compile: bool | None = None  # None: on for CUDA, off on CPU
+    # torch.compile's mode: "default", "max-autotune-no-cudagraphs" (Triton GEMM templates with
+    # fused epilogues, minutes of autotuning at start-up), "max-autotune", "reduce-overhead"
+    compile_mode: str = "default"
     seed: int = 1337
 
 
 # TrainConfig fields that a preset sets, and all those that make up the GPTConfig
 PRESET_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padded_vocab_size")
 MODEL_KEYS = PRESET_KEYS + ("dropout", "bias", "loss_impl")
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 class ConfigError(ValueError):
@@ -190,6 +196,10 @@ def _check_ranges(cfg):
         raise ConfigError(f"config key 'final_lr_frac' must be in [0, 1], got {cfg.final_lr_frac}")
     if cfg.dtype not in ("auto", "bfloat16", "float32"):
         raise ConfigError(f"config key 'dtype': auto, bfloat16 or float32, not {cfg.dtype!r}")
+    if cfg.compile_mode not in COMPILE_MODES:
+        raise ConfigError(
+            f"config key 'compile_mode': one of {COMPILE_MODES}, not {cfg.compile_mode!r}"
+        )
 
 
 def grad_accum_steps(total_batch_size, batch_size, seq_len, world_size):
@@ -502,7 +512,7 @@ def main(argv=None):
             del ckpt
         elif cfg.resume:
             notes.append(f"--resume: no checkpoint in {cfg.out_dir!r}, starting at step 0")
-        model = torch.compile(raw_model) if use_compile else raw_model
+        model = torch.compile(raw_model, mode=cfg.compile_mode) if use_compile else raw_model
         train_model = model
         if ddp:
             train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -517,7 +527,7 @@ def main(argv=None):
             print0(
                 f"git {git_sha()} | torch {torch.__version__} | triton {triton_version()} | "
                 f"cuda {torch.version.cuda} | {device_name} x {world_size} | {dtype} | "
-                f"compile {use_compile}"
+                f"compile {cfg.compile_mode if use_compile else False}"
             )
             print0(
                 f"params {raw_model.num_params(non_embedding=False):,} | train {train_glob}"

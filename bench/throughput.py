@@ -2,6 +2,7 @@
 
     python bench/throughput.py [--runs 124M:32,124M:64,350M:32,1558M:16] [--impls fused,torch]
         [--steps 30] [--warmup 10] [--out DIR] [--profile 124M:32] [--max-batch auto]
+        [--train-args "--compile_mode='max-autotune-no-cudagraphs'"]
 
 Each run is a fresh process calling train.main (compiled model, bf16 autocast, fused AdamW, one
 micro-batch per step: total batch = B * 1024) on a shard of uniform random tokens. Reported per
@@ -16,6 +17,7 @@ Writes DIR/throughput.json.
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -134,6 +136,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", default="124M:32,124M:64,350M:32,1558M:16")
     ap.add_argument("--impls", default="fused,torch")
+    ap.add_argument(
+        "--train-args",
+        default="",
+        help="extra train.py arguments for every run, e.g. "
+        "\"--compile_mode='max-autotune-no-cudagraphs'\"",
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/throughput"))
@@ -160,7 +168,10 @@ def main():
             out_dir = os.path.join(work, f"{model}_b{batch}_{impl}")
             subprocess.run(["rm", "-rf", out_dir])
             cli = train_args(model, int(batch), impl, args.steps, dataset, out_dir)
+            cli += shlex.split(args.train_args)
             res = dict(model=model, batch=int(batch), impl=impl, **run_child(cli))
+            if args.train_args:
+                res["train_args"] = args.train_args
             if res["rc"] == 0:
                 res.update(step_stats(os.path.join(out_dir, "log.jsonl"), args.warmup))
             results["runs"].append(res)

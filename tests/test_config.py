@@ -66,6 +66,7 @@ def test_preset_sets_shape_and_explicit_keys_win():
         (["--max_steps=-1"], "max_steps"),
         (["--final_lr_frac=2.0"], "final_lr_frac"),
         (["--dtype=fp16"], "dtype"),
+        (["--compile_mode=fastest"], "compile_mode"),
         (["--model=gpt9"], "model"),
     ],
 )
