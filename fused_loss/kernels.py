@@ -25,15 +25,17 @@ _softmax_grad_kernel, one program per row at a time (persistent over rows):
            buffer's dtype, overwriting z. The row was just read, so this re-read can hit L2
            (measured: the kernel moves its 9.9 GB at 124M in 3.1 ms, ~3.2 TB/s of HBM-equivalent).
 
-Single-read variant (CONFIGS "single_read"; not yet the default: unmeasured on a GPU). The second
-read above is there because exp() needs the row's lse before G can be written. Writing instead
+Single-read variant (CONFIGS "single_read"; by default for fp32 weights only, see fused.py). The
+second read above is there because exp() needs the row's lse before G can be written. Writing
+instead
   E_nv = exp(z_nv - c_n),  c_n = max of the row's first block (<= the row max), and
   E_{n,y_n} -= S_n = sum_v E_nv       (the one-hot, folded in at the end: one element, from
                                         the fp32 exp of z_y, so that p_y ~ 1 does not cancel)
 gives G = diag(f) E with ONE scale per row, f_n = g_n / S_n, so the row is read and written once
 (_exp_rows_kernel), and the scale moves outside the GEMMs: dx = diag(f) (E @ w) from an fp32 GEMM
 output, dw += E.T @ (f * x) with f * x rounded once to the compute dtype (_row_scale_kernel, once
-for each).
+for each). That last rounding is one more than torch's path has: with a bf16 dw, rounded again at
+the end, dw's error is 1.32x torch's (H200, 124M); with an fp32 dw, 1.09x.
 A block whose max passes c + REBASE (60 nats; e^60 * V still fits fp32) raises c to that max and
 rescales the row's already written E (rare: only rows whose first block is far below their max).
 
