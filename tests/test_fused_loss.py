@@ -145,6 +145,22 @@ def test_many_chunks(monkeypatch):
 
 
 @needs_kernels
+def test_reverse_second_pass_gives_identical_results(monkeypatch):
+    """Walking pass 2 backwards only changes the order of independent elementwise writes."""
+    x, w, t = _make(37, 24, 83, 80, torch.bfloat16, "cuda" if CUDA else "cpu", ignore_frac=0.2)
+    outs = []
+    for reverse in (False, True):
+        for cfg in fl.CONFIGS.values():
+            monkeypatch.setitem(cfg, "reverse", reverse)
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fused_linear_cross_entropy(xg, wg, t, vocab_size=80)
+        loss.backward()
+        outs.append((loss.detach(), xg.grad, wg.grad))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_kernels
 def test_padded_rows_are_inert():
     # Poisoning the padded rows of w must change nothing, bit for bit, and their grad stays 0.
     x, w, t = _make(40, 32, 80, 70, torch.bfloat16, "cpu", ignore_frac=0.2, seed=3)
