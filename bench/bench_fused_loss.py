@@ -162,11 +162,11 @@ def kernel_breakdown(x, w, t, vocab):
 # Variants of ours, timed at the 124M shape: memory budget (chunk size) and the row kernel's
 # launch (overrides of fl.EXTRA_BYTES and fl.CONFIGS["cuda"]).
 VARIANTS = {
-    "reverse": dict(row=dict(reverse=True)),
-    "reverse_sm3": dict(row=dict(reverse=True, per_sm=3)),
-    "reverse_sm2_w16": dict(row=dict(reverse=True, per_sm=2, num_warps=16)),
-    "reverse_bv2048_sm5": dict(row=dict(reverse=True, BV=2048, per_sm=5)),
-    "reverse_extra336": dict(row=dict(reverse=True), extra=336 * MiB),
+    "pass2_back": dict(row=dict(order="pass2_back")),
+    "pass1_back": dict(row=dict(order="pass1_back")),
+    "pass2_back_sm3": dict(row=dict(order="pass2_back", per_sm=3)),
+    "pass2_back_sm2_w16": dict(row=dict(order="pass2_back", per_sm=2, num_warps=16)),
+    "pass1_back_sm3": dict(row=dict(order="pass1_back", per_sm=3)),
     "bv2048_sm5": dict(row=dict(BV=2048, per_sm=5)),
     "bv4096_w16_sm2": dict(row=dict(num_warps=16, per_sm=2)),
     "sm3": dict(row=dict(per_sm=3)),
@@ -304,8 +304,8 @@ def main():
         try:
             results["breakdown"][shape] = kernel_breakdown(x, w, t, V)
             if args.variants and shape == "124M":
-                with variant("reverse"):
-                    results["breakdown"][f"{shape} reverse"] = kernel_breakdown(x, w, t, V)
+                with variant("pass2_back"):
+                    results["breakdown"][f"{shape} pass2_back"] = kernel_breakdown(x, w, t, V)
         except Exception as e:
             results["breakdown"][shape] = repr(e)[:300]
         with open(path, "w") as f:

@@ -27,12 +27,11 @@ from fused_loss.reference import linear_cross_entropy_reference
 # dropped, none faster (bench/RESULTS.md): the dx GEMM on a side stream next to dw, software
 # pipelining of the row loops (num_stages), prefetching the next block into registers, chunk
 # counts chosen to fill the last wave of persistent programs, BV 2048 with 4-6 programs per SM.
-# reverse: _softmax_grad_kernel's second pass walks each row from its end, so that it starts on
-# the blocks most likely still in L2 (the ~528 rows in flight, ~100 KB each, exceed the 50 MB
-# L2, so in forward order the second read mostly misses). Off until measured on the H200.
+# order: the directions of _softmax_grad_kernel's two passes over a row, "forward" (measured),
+# "pass2_back" or "pass1_back" (kernels.py: which blocks may still be in L2; unmeasured).
 CONFIGS = {
-    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, single_read="auto", reverse=False),
-    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, single_read="auto", reverse=False),
+    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, single_read="auto", order="forward"),
+    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, single_read="auto", order="forward"),
 }
 REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kernel rebases a row
 # Extra memory a call may hold: the (n, V) buffer plus, when the weight is not fp32, the fp32 dw
@@ -120,6 +119,9 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     launch = dict(G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], UPCAST=not cuda)
     launch.update(num_warps=cfg["num_warps"])
     scale = dict(BD=cfg["BD"], UPCAST=not cuda)
+    if cfg["order"] not in ("forward", "pass1_back", "pass2_back"):
+        raise ValueError(f"CONFIGS order: forward, pass1_back or pass2_back, not {cfg['order']!r}")
+    order = dict(PASS1_BACK=cfg["order"] == "pass1_back", PASS2_BACK=cfg["order"] == "pass2_back")
 
     for i, c0 in enumerate(range(0, N, n)):
         rows = min(n, N - c0)
@@ -132,7 +134,7 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
         if single:  # z -> E in place, f = g / S
             kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, **launch)
         else:  # z -> G in place
-            kernels._softmax_grad_kernel[grid](*args, REVERSE=cfg["reverse"], **launch)
+            kernels._softmax_grad_kernel[grid](*args, **order, **launch)
         if not want_grad:
             continue
         if single:  # dx = f * (E @ w), dw += E.T @ (f * x)

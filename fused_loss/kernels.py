@@ -25,8 +25,11 @@ _softmax_grad_kernel, one program per row at a time (persistent over rows):
            buffer's dtype, overwriting z. The row was just read, so this re-read could hit L2,
            but on the H200 (124M) the kernel takes 3.3 ms against 2.3 ms for the single-read
            kernel's one read + one write: 1.5x, as if the re-read came from HBM. ~528 rows of
-           ~100 KB are in flight against a 50 MB L2, and in forward order pass 2 starts on the
-           oldest blocks. REVERSE walks pass 2 from the row's end instead (unmeasured).
+           ~100 KB are in flight against a 50 MB L2, and pass 2 in the same order as pass 1
+           starts on the oldest blocks. Options, unmeasured: PASS2_BACK (pass 2 starts on the
+           blocks pass 1 read last), PASS1_BACK (pass 1 starts on the row's last blocks, the
+           likeliest left in L2 by the logits GEMM if it writes tiles column-block by
+           column-block; pass 2 forward then starts on what pass 1 read last).
 
 Single-read variant (CONFIGS "single_read"; by default for fp32 weights only, see fused.py). The
 second read above is there because exp() needs the row's lse before G can be written. Writing
@@ -94,7 +97,8 @@ def _softmax_grad_kernel(
     G_PER_ROW: tl.constexpr,
     WRITE_G: tl.constexpr,
     BV: tl.constexpr,
-    REVERSE: tl.constexpr,  # pass 2 from the row's last block to its first
+    PASS1_BACK: tl.constexpr,  # pass 1 from the row's last block to its first
+    PASS2_BACK: tl.constexpr,  # pass 2 likewise
     UPCAST: tl.constexpr,
 ):
     lanes = tl.arange(0, BV)
@@ -107,7 +111,9 @@ def _softmax_grad_kernel(
         # pass 1: per-lane running (max, sum), one exp per element, no reductions in the loop
         m = tl.full((BV,), float("-inf"), tl.float32)
         s = tl.zeros((BV,), tl.float32)
-        for v0 in range(0, vocab_size, BV):
+        n_real = tl.cdiv(vocab_size, BV)
+        for i in range(0, n_real):
+            v0 = (n_real - 1 - i) * BV if PASS1_BACK else i * BV
             cols = v0 + lanes
             z = _load_logits(z_row, cols, V, vocab_size)
             new_max = z > m
@@ -129,9 +135,7 @@ def _softmax_grad_kernel(
             lse2 = lse * LOG2E
             n_blocks = tl.cdiv(V, BV)
             for i in range(0, n_blocks):
-                # REVERSE walks the row back from its end: the blocks pass 1 read last are the
-                # likeliest to be still in L2 (forward order meets the oldest, evicted ones first)
-                v0 = (n_blocks - 1 - i) * BV if REVERSE else i * BV
+                v0 = (n_blocks - 1 - i) * BV if PASS2_BACK else i * BV
                 cols = v0 + lanes
                 z = _load_logits(z_row, cols, V, vocab_size)
                 p = tl.exp2(z * LOG2E - lse2)  # 0 past vocab_size

@@ -53,9 +53,11 @@ out = {}
 for write_g in (True, False):
     for dt in ("bf16", "fp32"):
         c = dict(G_PER_ROW=not write_g, WRITE_G=write_g, BV=4096, UPCAST=False)
-        for reverse in (False, True) if write_g and dt == "bf16" else (False,):
-            out[f"softmax_grad {dt} write_g={write_g}" + " reverse" * reverse] = build(
-                kernels._softmax_grad_kernel, row_sig(dt, False), dict(c, REVERSE=reverse), 8)
+        orders = ("", "pass1_back", "pass2_back") if write_g and dt == "bf16" else ("",)
+        for o in orders:
+            back = dict(PASS1_BACK=o == "pass1_back", PASS2_BACK=o == "pass2_back")
+            out[f"softmax_grad {dt} write_g={write_g} {o}"] = build(
+                kernels._softmax_grad_kernel, row_sig(dt, False), dict(c, **back), 8)
         c["REBASE"] = 60.0
         out[f"exp_rows {dt} write_g={write_g}"] = build(
             kernels._exp_rows_kernel, row_sig(dt, True), c, 8)
@@ -86,7 +88,7 @@ def test_kernels_compile_for_sm90_with_vectorised_logit_loads():
     )
     assert p.returncode == 0, p.stderr[-4000:]
     loads = json.loads(p.stdout.strip().splitlines()[-1])
-    assert len(loads) == 13
+    assert len(loads) == 14
     for name, (v4, b16) in loads.items():
         if name.startswith(("softmax_grad bf16", "exp_rows bf16")):
             # every pass over a row of bf16 logits: 8-wide loads, no 16-bit scalar ones left
