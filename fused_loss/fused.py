@@ -75,6 +75,13 @@ def _matmul_fp32(out, a, b, accumulate):
         torch.addmm(out, a.float(), b.float(), beta=beta, out=out)
 
 
+def use_single_read(option, compute_dtype, dw_dtype):
+    """The single-read kernel or not, for CONFIGS' single_read option (True, False, "auto")."""
+    if option == "auto":  # f * x adds a rounding to dw, hidden only when dw is not rounded again
+        option = dw_dtype == torch.float32
+    return option and compute_dtype != torch.float16  # E reaches e^60: not for fp16
+
+
 def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     """One chunked pass. x (N, D), w (V, D) (any float dtype), y (N,) int64, g: (1,) or (N,) fp32.
 
@@ -100,10 +107,7 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     n = min(chunk_rows(N, V, x.element_size(), acc_bytes, **small), N)
     n = triton.cdiv(N, triton.cdiv(N, n))  # equal chunks: no short, inefficient last one
     programs = _num_sms(dev.index) * cfg["per_sm"] if cuda and cfg["per_sm"] else n
-    single = cfg["single_read"]
-    if single == "auto":  # f * x adds a rounding to dw, hidden only when dw is not rounded again
-        single = dw_dtype == torch.float32
-    single = single and x.dtype != torch.float16  # E reaches e^60: not for fp16
+    single = use_single_read(cfg["single_read"], x.dtype, dw_dtype)
 
     losses = torch.empty(N, device=dev, dtype=torch.float32)
     buf = torch.empty((n, V), device=dev, dtype=x.dtype)  # z, then G (or E) of one chunk

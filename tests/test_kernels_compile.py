@@ -56,7 +56,7 @@ for write_g in (True, False):
         orders = ("", "pass1_back", "pass2_back") if write_g and dt == "bf16" else ("",)
         for o in orders:
             back = dict(PASS1_BACK=o == "pass1_back", PASS2_BACK=o == "pass2_back")
-            out[f"softmax_grad {dt} write_g={write_g} {o}"] = build(
+            out[f"softmax_grad {dt} write_g={write_g} {o}".strip()] = build(
                 kernels._softmax_grad_kernel, row_sig(dt, False), dict(c, **back), 8)
         c["REBASE"] = 60.0
         out[f"exp_rows {dt} write_g={write_g}"] = build(
