@@ -27,11 +27,11 @@ from fused_loss.reference import linear_cross_entropy_reference
 # dropped, none faster (bench/RESULTS.md): the dx GEMM on a side stream next to dw, software
 # pipelining of the row loops (num_stages), prefetching the next block into registers, chunk
 # counts chosen to fill the last wave of persistent programs, BV 2048 with 4-6 programs per SM.
-# order: the directions of _softmax_grad_kernel's two passes over a row, "forward" (measured),
-# "pass2_back" or "pass1_back" (kernels.py: which blocks may still be in L2; unmeasured).
+# order: the directions of _softmax_grad_kernel's two passes over a row (kernels.py), "forward",
+# "pass2_back", "pass1_back" or "auto" (pass_order below).
 CONFIGS = {
-    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, single_read="auto", order="forward"),
-    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, single_read="auto", order="forward"),
+    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, single_read="auto", order="auto"),
+    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, single_read="auto", order="auto"),
 }
 REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kernel rebases a row
 # Extra memory a call may hold: the (n, V) buffer plus, when the weight is not fp32, the fp32 dw
@@ -82,6 +82,22 @@ def use_single_read(option, compute_dtype, dw_dtype):
     return option and compute_dtype != torch.float16  # E reaches e^60: not for fp16
 
 
+def pass_order(option, vocab_size, V):
+    """The two-read kernel's pass order for CONFIGS' order option.
+
+    "auto", from H200 timings of one 124M fwd+bwd with the host's latency hidden (bench/RESULTS.md,
+    runs 16 and 18, 3 repeats each): without padded columns, pass 2 backward (starting on the
+    blocks pass 1 read last, likelier in L2) 14.6-14.8 ms against 14.9-15.1 forward; with the
+    padded columns masked (vocab_size < V) the reverse, 15.7-16.0 against 15.3-15.5. Why masking
+    turns it round is not known.
+    """
+    if option == "auto":
+        return "pass2_back" if vocab_size == V else "forward"
+    if option not in ("forward", "pass1_back", "pass2_back"):
+        raise ValueError(f"CONFIGS order: auto, forward, pass1_back or pass2_back, not {option!r}")
+    return option
+
+
 def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     """One chunked pass. x (N, D), w (V, D) (any float dtype), y (N,) int64, g: (1,) or (N,) fp32.
 
@@ -123,9 +139,8 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     launch = dict(G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], UPCAST=not cuda)
     launch.update(num_warps=cfg["num_warps"])
     scale = dict(BD=cfg["BD"], UPCAST=not cuda)
-    if cfg["order"] not in ("forward", "pass1_back", "pass2_back"):
-        raise ValueError(f"CONFIGS order: forward, pass1_back or pass2_back, not {cfg['order']!r}")
-    order = dict(PASS1_BACK=cfg["order"] == "pass1_back", PASS2_BACK=cfg["order"] == "pass2_back")
+    o = pass_order(cfg["order"], vocab_size, V)
+    order = dict(PASS1_BACK=o == "pass1_back", PASS2_BACK=o == "pass2_back")
 
     for i, c0 in enumerate(range(0, N, n)):
         rows = min(n, N - c0)
@@ -145,10 +160,10 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
             _matmul_fp32(p[:rows], z, w, accumulate=False)
             kernels._row_scale_kernel[(rows,)](p, f, dxs, D, **scale)
             kernels._row_scale_kernel[(rows,)](xs, f, xs_scaled, D, **scale)
-            _matmul_fp32(dw, z.t(), xs_scaled[:rows], accumulate=i > 0)
+            xs = xs_scaled[:rows]
         else:  # dx = G @ w, dw += G.T @ x
             torch.mm(z, w, out=dxs)
-            _matmul_fp32(dw, z.t(), xs, accumulate=i > 0)
+        _matmul_fp32(dw, z.t(), xs, accumulate=i > 0)
     del buf, z, args  # free the buffer before the cast allocates dw in its dtype
     if want_grad and dw_dtype != torch.float32:
         dw = dw.to(dw_dtype)
@@ -165,9 +180,8 @@ def _lce_forward(
     reduction: str,
     want_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    valid = y != ignore_index
-    if reduction == "mean":
-        g = 1.0 / valid.sum().clamp(min=1).to(torch.float32).reshape(1)  # on device, no sync
+    if reduction == "mean":  # 1 / (number of non-ignored targets), on device: no sync
+        g = (y != ignore_index).sum(dtype=torch.float32).clamp_(min=1).reciprocal_().reshape(1)
     else:
         g = torch.ones(1, device=x.device, dtype=torch.float32)
     grads = want_grad and reduction != "none"

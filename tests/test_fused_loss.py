@@ -69,6 +69,7 @@ def _check(x, w, t, vocab, reduction, upstream, factor=1.25, slack=1e-3):
 SHAPES = [
     (64, 32, 128, 128),  # aligned to the interpreter's tiles
     (37, 24, 70, 65),  # ragged N, D, V, and padded columns
+    (21, 16, 40, 10),  # vocab smaller than one block: every block masked
 ]
 
 
@@ -160,6 +161,14 @@ def test_pass_order_changes_nothing(order, monkeypatch):
     else:  # the loss (fp32) stays within summation noise; gradients are checked against float64
         torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=0)
     _check(x, w, t, 80, "mean", torch.tensor(1.0))  # the new order against float64
+
+
+def test_pass_order_auto_and_bad_option():
+    assert fl.pass_order("auto", 50304, 50304) == "pass2_back"
+    assert fl.pass_order("auto", 50257, 50304) == "forward"  # padded columns masked
+    assert fl.pass_order("pass1_back", 50257, 50304) == "pass1_back"
+    with pytest.raises(ValueError, match="CONFIGS order"):
+        fl.pass_order("backward", 10, 10)
 
 
 def test_single_read_auto_takes_it_only_for_fp32_dw():
