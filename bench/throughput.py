@@ -2,7 +2,7 @@
 
     python bench/throughput.py [--runs 124M:32,124M:64,350M:32,1558M:16] [--impls fused,torch]
         [--steps 30] [--warmup 10] [--out DIR] [--profile 124M:32] [--max-batch auto]
-        [--train-args "--compile_mode='max-autotune-no-cudagraphs'"]
+        [--train-args="--compile_mode='max-autotune-no-cudagraphs'"]
 
 Each run is a fresh process calling train.main (compiled model, bf16 autocast, fused AdamW, one
 micro-batch per step: total batch = B * 1024) on a shard of uniform random tokens. Reported per
@@ -139,8 +139,8 @@ def main():
     ap.add_argument(
         "--train-args",
         default="",
-        help="extra train.py arguments for every run, e.g. "
-        "\"--compile_mode='max-autotune-no-cudagraphs'\"",
+        help="extra train.py arguments for every run; give it with '=' since the value starts "
+        "with '--': --train-args=\"--compile_mode='max-autotune-no-cudagraphs'\"",
     )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
