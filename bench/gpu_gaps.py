@@ -1,6 +1,6 @@
 """Where a fwd+bwd's wall time goes beyond its kernels: the GPU timeline of one call.
 
-    python bench/gpu_gaps.py [--variants pass2_back,...] [--out DIR]
+    python bench/gpu_gaps.py [--variants forward,extra640] [--out DIR]
 
 At the 124M classifier shape (bench_fused_loss's inputs) it profiles one fwd+bwd of ours (and of
 each named variant) and of torch.compile, and reports: host time of the call, time from the call's
