@@ -29,10 +29,43 @@ from fused_loss.reference import linear_cross_entropy_reference
 # counts chosen to fill the last wave of persistent programs, BV 2048 with 4-6 programs per SM.
 # order: the directions of _softmax_grad_kernel's two passes over a row (kernels.py), "forward",
 # "pass2_back", "pass1_back" or "auto" (pass_order below).
+# cap_regs: cap the row kernels' registers (ptxas .maxnreg, row_kernel_maxnreg) so that per_sm
+# programs fit on an SM at once, as the persistent grid assumes. Register counts from ptxas
+# (triton 3.6, sm_90a), at mask_cols 50304 / 50257. The kernels timed in session 12: forward
+# 64 / 111, pass 2 backward 64 / 80, single read 63 / 64; the H200 timings track them (80+
+# registers leave 2-3 of the 4 programs per SM resident; bench/RESULTS.md). The kernels now,
+# with the out-of-range-target guard and mask_cols: forward 79 / 109, pass 2 backward 79 / 80,
+# pass 1 backward 80 / 64, single read 64 / 64: the default (pass 2 backward, unmasked) would lose
+# its 4th program per SM. Capped at 64: 62-64 registers, at most 4 bytes of spill, every variant
+# (triton 3.9's ptxas: at most 124 bytes, at 50257 with mask="kernel"). So the cap is on; its
+# GPU timing is pending (bench/order_ab.py --knobs).
+# mask: how padded columns leave the softmax. "kernel": the row kernel masks from vocab_size on
+# (the measured default). "fill": -inf is written into the chunk's padded logit columns after
+# the logits GEMM (one small strided fill per chunk) and the row kernel runs as if unmasked, with
+# the unmasked kernel's registers (kernels.py). Same results; unmeasured on the GPU.
 CONFIGS = {
-    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, single_read="auto", order="auto"),
-    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, single_read="auto", order="auto"),
+    "cuda": dict(
+        BV=4096,
+        BD=256,
+        num_warps=8,
+        per_sm=4,
+        single_read="auto",
+        order="auto",
+        cap_regs=True,
+        mask="kernel",
+    ),
+    "cpu": dict(
+        BV=16,
+        BD=16,
+        num_warps=1,
+        per_sm=1,
+        single_read="auto",
+        order="auto",
+        cap_regs=True,
+        mask="kernel",
+    ),
 }
+REGS_PER_SM = 65536  # 32-bit registers per SM on sm_70 .. sm_90
 REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kernel rebases a row
 # Extra memory a call may hold: the (n, V) buffer plus, when the weight is not fp32, the fp32 dw
 # accumulator (V, D). 320 MiB at the 124M shape: 147 MiB accumulator + 19 chunks of 1725 rows
@@ -75,6 +108,11 @@ def _matmul_fp32(out, a, b, accumulate):
         torch.addmm(out, a.float(), b.float(), beta=beta, out=out)
 
 
+def row_kernel_maxnreg(num_warps, per_sm):
+    """Registers per thread that let per_sm programs of num_warps warps share one SM."""
+    return min(255, REGS_PER_SM // (32 * num_warps * per_sm)) // 8 * 8
+
+
 def use_single_read(option, compute_dtype, dw_dtype):
     """The single-read kernel or not, for CONFIGS' single_read option (True, False, "auto")."""
     if option == "auto":  # f * x adds a rounding to dw, hidden only when dw is not rounded again
@@ -82,17 +120,18 @@ def use_single_read(option, compute_dtype, dw_dtype):
     return option and compute_dtype != torch.float16  # E reaches e^60: not for fp16
 
 
-def pass_order(option, vocab_size, V):
-    """The two-read kernel's pass order for CONFIGS' order option.
+def pass_order(option, mask_cols, V):
+    """The two-read kernel's pass order for CONFIGS' order option (mask_cols: see lce_pass).
 
     "auto", from H200 timings of one 124M fwd+bwd with the host's latency hidden (bench/RESULTS.md,
-    runs 16 and 18, 3 repeats each): without padded columns, pass 2 backward (starting on the
-    blocks pass 1 read last, likelier in L2) 14.6-14.8 ms against 14.9-15.1 forward; with the
-    padded columns masked (vocab_size < V) the reverse, 15.7-16.0 against 15.3-15.5. Why masking
-    turns it round is not known.
+    runs 16 and 18, 3 repeats each): unmasked, pass 2 backward (starting on the blocks pass 1 read
+    last, likelier in L2) 14.6-14.8 ms against 14.9-15.1 forward; masked at an odd column
+    (50257), the reverse, 15.7-16.0 against 15.3-15.5. The likely reason is registers, found
+    after those runs: there pass 2 backward compiles to 80 (3 of the grid's 4 programs per SM
+    resident, the 4th in a second wave) and forward to 111 (2 per SM, whole waves); see CONFIGS.
     """
     if option == "auto":
-        return "pass2_back" if vocab_size == V else "forward"
+        return "pass2_back" if mask_cols == V else "forward"
     if option not in ("forward", "pass1_back", "pass2_back"):
         raise ValueError(f"CONFIGS order: auto, forward, pass1_back or pass2_back, not {option!r}")
     return option
@@ -138,17 +177,25 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
             xs_scaled = torch.empty((n, D), device=dev, dtype=x.dtype)  # f * x of a chunk
     launch = dict(G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], UPCAST=not cuda)
     launch.update(num_warps=cfg["num_warps"])
+    if cuda and cfg["per_sm"] and cfg["cap_regs"]:
+        launch.update(maxnreg=row_kernel_maxnreg(cfg["num_warps"], cfg["per_sm"]))
     scale = dict(BD=cfg["BD"], UPCAST=not cuda)
-    o = pass_order(cfg["order"], vocab_size, V)
+    if cfg["mask"] not in ("kernel", "fill"):
+        raise ValueError(f"CONFIGS mask: kernel or fill, not {cfg['mask']!r}")
+    fill = cfg["mask"] == "fill" and vocab_size < V
+    mask_cols = V if fill else vocab_size  # the row kernels' -inf from this column on
+    o = pass_order(cfg["order"], mask_cols, V)
     order = dict(PASS1_BACK=o == "pass1_back", PASS2_BACK=o == "pass2_back")
 
     for i, c0 in enumerate(range(0, N, n)):
         rows = min(n, N - c0)
         xs, z, dxs = x[c0 : c0 + rows], buf[:rows], dx[c0 : c0 + rows]
         torch.mm(xs, w.t(), out=z)
+        if fill:
+            z[:, vocab_size:].fill_(float("-inf"))
         args = (z, y[c0 : c0 + rows], g[c0 : c0 + rows] if g_per_row else g)
         args += (losses[c0 : c0 + rows],) + ((f,) if single else ())
-        args += (rows, V, vocab_size, z.stride(0), ignore_index)
+        args += (rows, V, vocab_size, mask_cols, z.stride(0), ignore_index)
         grid = (min(rows, programs),)
         if single:  # z -> E in place, f = g / S
             kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, **launch)

@@ -31,6 +31,14 @@ _softmax_grad_kernel, one program per row at a time (persistent over rows):
            the default without padded columns, but slower with them (fused.pass_order).
            PASS1_BACK (pass 1 starts on the row's last blocks) measured no faster.
 
+Padded columns (vocab_size < V) are out of the softmax either way: the kernels treat columns from
+mask_cols on as -inf, where mask_cols is vocab_size, or V once fused.py has written -inf into the
+chunk's padded logit columns (CONFIGS mask="fill"). The two differ in cost, not in results: an
+odd mask_cols (50257) compiles to per-element compares that take ptxas (triton 3.6, sm_90a) from
+64 registers to 80-111, so fewer than the 4 programs per SM that the persistent grid counts on
+fit at once; mask_cols = V compiles to the unmasked kernel. A target outside [0, vocab_size) that
+is not ignore_index gets a NaN loss (_target): it is never used as an index.
+
 Single-read variant (CONFIGS "single_read"; by default for fp32 weights only, see fused.py). The
 second read above is there because exp() needs the row's lse before G can be written. Writing
 instead
@@ -66,11 +74,27 @@ def _cast(v, dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _load_logits(z_row, cols, V, vocab_size):
-    """z at `cols` in fp32, -inf from vocab_size on. The load is masked at V, not vocab_size: the
+def _load_logits(z_row, cols, V, mask_cols):
+    """z at `cols` in fp32, -inf from mask_cols on. The load is masked at V, not mask_cols: the
     padded V (50304) is a multiple of 16, so the load vectorises, which 50257 would prevent."""
     z = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    return tl.where(cols < vocab_size, z, float("-inf"))
+    return tl.where(cols < mask_cols, z, float("-inf"))
+
+
+@triton.jit
+def _target(y_ptr, r, vocab_size, ignore_index):
+    """Row r's target y; valid: it counts (not ignore_index); ok: also within [0, vocab_size).
+    Targets are not range-checked on the GPU (that would sync the host), so a valid target that
+    is not ok gets a NaN loss and no one-hot, and no memory outside its row is read or written."""
+    y = tl.load(y_ptr + r)
+    valid = y != ignore_index
+    return y, valid, valid & (y >= 0) & (y < vocab_size)
+
+
+@triton.jit
+def _row_loss(valid, ok, lse, z_y):
+    """lse - z_y for a counted row, 0 for an ignored one, NaN for an out-of-range target."""
+    return tl.where(valid, tl.where(ok, lse - z_y, float("nan")), 0.0)
 
 
 @triton.jit
@@ -91,7 +115,8 @@ def _softmax_grad_kernel(
     loss_ptr,  # (n,) fp32 out: per-row loss, 0 for ignored rows
     n_rows,
     V,
-    vocab_size,
+    vocab_size,  # targets must lie in [0, vocab_size)
+    mask_cols,  # columns from here on are -inf: vocab_size, or V when fused.py filled them
     stride_z,
     ignore_index,
     G_PER_ROW: tl.constexpr,
@@ -105,17 +130,16 @@ def _softmax_grad_kernel(
     for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         r64 = tl.cast(r, tl.int64)  # row offsets of a big chunk can pass 2**31 elements
         z_row = z_ptr + r64 * stride_z
-        y = tl.load(y_ptr + r)
-        valid = y != ignore_index
+        y, valid, ok = _target(y_ptr, r, vocab_size, ignore_index)
 
         # pass 1: per-lane running (max, sum), one exp per element, no reductions in the loop
         m = tl.full((BV,), float("-inf"), tl.float32)
         s = tl.zeros((BV,), tl.float32)
-        n_real = tl.cdiv(vocab_size, BV)
+        n_real = tl.cdiv(mask_cols, BV)
         for i in range(0, n_real):
             v0 = (n_real - 1 - i) * BV if PASS1_BACK else i * BV
             cols = v0 + lanes
-            z = _load_logits(z_row, cols, V, vocab_size)
+            z = _load_logits(z_row, cols, V, mask_cols)
             new_max = z > m
             e = tl.exp2(-tl.abs(z - m) * LOG2E)  # exp(m - z) on a new max, else exp(z - m)
             e = tl.where(z == float("-inf"), 0.0, e)  # masked lane (m may be -inf too: no nan)
@@ -127,19 +151,20 @@ def _softmax_grad_kernel(
 
         # the target's logit as stored (rounded like the rest): lse - z_y then cancels the
         # rounding that dominates both terms when p_y ~ 1, as torch's bf16 path does
-        z_y = tl.load(z_row + tl.where(valid, y, 0)).to(tl.float32)
-        tl.store(loss_ptr + r, tl.where(valid, lse - z_y, 0.0))
+        z_y = tl.load(z_row + tl.where(ok, y, 0)).to(tl.float32)
+        tl.store(loss_ptr + r, _row_loss(valid, ok, lse, z_y))
 
         if WRITE_G:
             g = _row_weight(g_ptr, r, valid, G_PER_ROW)
             lse2 = lse * LOG2E
+            y_hot = tl.where(ok, y, -1)  # no one-hot for an out-of-range target
             n_blocks = tl.cdiv(V, BV)
             for i in range(0, n_blocks):
                 v0 = (n_blocks - 1 - i) * BV if PASS2_BACK else i * BV
                 cols = v0 + lanes
-                z = _load_logits(z_row, cols, V, vocab_size)
+                z = _load_logits(z_row, cols, V, mask_cols)
                 p = tl.exp2(z * LOG2E - lse2)  # 0 past vocab_size
-                grad = g * (p - tl.where(cols == y, 1.0, 0.0))
+                grad = g * (p - tl.where(cols == y_hot, 1.0, 0.0))
                 tl.store(z_row + cols, _cast(grad, z_ptr.dtype.element_ty, UPCAST), mask=cols < V)
 
 
@@ -153,6 +178,7 @@ def _exp_rows_kernel(
     n_rows,
     V,
     vocab_size,
+    mask_cols,
     stride_z,
     ignore_index,
     G_PER_ROW: tl.constexpr,
@@ -166,15 +192,14 @@ def _exp_rows_kernel(
     for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         r64 = tl.cast(r, tl.int64)
         z_row = z_ptr + r64 * stride_z
-        y = tl.load(y_ptr + r)
-        valid = y != ignore_index
-        c = tl.max(_load_logits(z_row, lanes, V, vocab_size), axis=0)  # reference, <= row max
-        z_y = tl.load(z_row + tl.where(valid, y, 0)).to(tl.float32)  # before E overwrites it
+        y, valid, ok = _target(y_ptr, r, vocab_size, ignore_index)
+        c = tl.max(_load_logits(z_row, lanes, V, mask_cols), axis=0)  # reference, <= row max
+        z_y = tl.load(z_row + tl.where(ok, y, 0)).to(tl.float32)  # before E overwrites it
         s = tl.zeros((BV,), tl.float32)
-        end = V if WRITE_G else vocab_size
+        end = V if WRITE_G else mask_cols
         for v0 in range(0, end, BV):
             cols = v0 + lanes
-            z = _load_logits(z_row, cols, V, vocab_size)
+            z = _load_logits(z_row, cols, V, mask_cols)
             z_max = tl.max(z, axis=0)
             if z_max > c + REBASE:  # rare: rebase on the new max, rescale what is behind
                 scale = tl.exp2((c - z_max) * LOG2E)
@@ -190,10 +215,10 @@ def _exp_rows_kernel(
                 tl.store(z_row + cols, _cast(e, out_ty, UPCAST), mask=cols < V)
         S = tl.sum(s, axis=0)
         lse = c + tl.log(S)
-        tl.store(loss_ptr + r, tl.where(valid, lse - z_y, 0.0))
+        tl.store(loss_ptr + r, _row_loss(valid, ok, lse, z_y))
         if WRITE_G:
             tl.store(f_ptr + r, _row_weight(g_ptr, r, valid, G_PER_ROW) / S)
-            if valid:  # the one-hot: G_y = f (E_y - S) = g (p_y - 1), E_y from z_y in fp32
+            if ok:  # the one-hot: G_y = f (E_y - S) = g (p_y - 1), E_y from z_y in fp32
                 e_y = tl.exp2((z_y - c) * LOG2E)  # not the stored, rounded E_y: when p_y ~ 1,
                 tl.store(z_row + y, _cast(e_y - S, out_ty, UPCAST))  # E_y - S cancels
 

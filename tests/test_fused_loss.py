@@ -163,6 +163,13 @@ def test_pass_order_changes_nothing(order, monkeypatch):
     _check(x, w, t, 80, "mean", torch.tensor(1.0))  # the new order against float64
 
 
+def test_register_cap_fits_the_programs_per_sm():
+    assert fl.row_kernel_maxnreg(8, 4) == 64  # 65536 registers / (4 programs x 256 threads)
+    assert fl.row_kernel_maxnreg(16, 2) == 64
+    assert fl.row_kernel_maxnreg(8, 3) == 80  # 85, rounded down to ptxas's granularity of 8
+    assert fl.row_kernel_maxnreg(4, 1) == 248  # below the 255 a thread can address
+
+
 def test_pass_order_auto_and_bad_option():
     assert fl.pass_order("auto", 50304, 50304) == "pass2_back"
     assert fl.pass_order("auto", 50257, 50304) == "forward"  # padded columns masked
@@ -181,16 +188,48 @@ def test_single_read_auto_takes_it_only_for_fp32_dw():
 
 
 @needs_kernels
-def test_padded_rows_are_inert():
-    # Poisoning the padded rows of w must change nothing, bit for bit, and their grad stays 0.
+@pytest.mark.parametrize("mask", ["kernel", "fill"])
+def test_padded_rows_are_inert(mask, monkeypatch):
+    # Poisoning the padded rows of w must change nothing, bit for bit, and their grad stays 0;
+    # the two ways of masking them ("fill": -inf written into the logits) agree bit for bit.
     x, w, t = _make(40, 32, 80, 70, torch.bfloat16, "cpu", ignore_frac=0.2, seed=3)
+    kernel_masked = _run(fused_linear_cross_entropy, x, w, t, torch.tensor(1.0), vocab_size=70)
+    for cfg in fl.CONFIGS.values():
+        monkeypatch.setitem(cfg, "mask", mask)
     clean = _run(fused_linear_cross_entropy, x, w, t, torch.tensor(1.0), vocab_size=70)
     w_bad = w.clone()
     w_bad[70:] = 3e4
     poisoned = _run(fused_linear_cross_entropy, x, w_bad, t, torch.tensor(1.0), vocab_size=70)
-    for a, b in zip(clean, poisoned, strict=True):
-        assert torch.equal(a, b)
+    for a, b, c in zip(clean, poisoned, kernel_masked, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
     assert (poisoned[2][70:] == 0).all()
+    _check(x, w, t, 70, "mean", torch.tensor(1.0))
+
+
+def _out_of_range_case(N, D, V, vocab, device):
+    x, w, t = _make(N, D, V, vocab, torch.bfloat16, device, ignore_frac=0.2, seed=5)
+    bad_rows = [1, 7, 12, N - 1]
+    y = t.clone()
+    y[bad_rows] = torch.tensor([vocab, V + 100, -3, 10**6], device=device)
+    g = torch.ones(1, device=device)
+    kw = dict(ignore_index=-100, vocab_size=vocab, want_grad=True, g_per_row=False)
+    losses, dx, dw = fl.lce_pass(x, w, y, g, **kw)  # below the public checks, which would raise
+    good = torch.ones(N, dtype=torch.bool, device=device)
+    good[bad_rows] = False
+    assert losses[bad_rows].isnan().all()
+    assert torch.isfinite(losses[good]).all() and torch.isfinite(dx).all()
+    assert (dw[vocab:] == 0).all(), "no gradient may reach a padded row, whatever the target"
+    # the good rows' losses are those of the same rows alone (close, not equal: on the GPU a
+    # GEMM with another row count may pick another kernel)
+    alone, _, _ = fl.lce_pass(x[good], w, y[good], g, **kw)
+    torch.testing.assert_close(losses[good], alone, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_out_of_range_targets_give_nan_loss_and_touch_nothing_else():
+    """On the GPU targets are not range-checked (a host sync), so the kernels must cope: a bad
+    target's row gets a NaN loss and no one-hot, and no other row, column or buffer changes."""
+    _out_of_range_case(24, 16, 48, 40, "cpu")
 
 
 @needs_kernels
@@ -284,7 +323,11 @@ def test_bad_inputs_raise_clear_errors():
     "shape", [(4096, 768, 50304, 50257), (1000, 1600, 50304, 50257), (777, 200, 4099, 4001)]
 )
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_gpu_real_sizes(shape, reduction):
+@pytest.mark.parametrize("knob", ["default", "mask_fill", "no_cap_regs"])
+def test_gpu_real_sizes(shape, reduction, knob, monkeypatch):
+    if knob != "default":  # the options timed against the default in bench/order_ab.py --knobs
+        key, value = ("mask", "fill") if knob == "mask_fill" else ("cap_regs", False)
+        monkeypatch.setitem(fl.CONFIGS["cuda"], key, value)
     N, D, V, vocab = shape
     x, w, t = _make(N, D, V, vocab, torch.bfloat16, "cuda", ignore_frac=0.05, seed=7)
     x[::7] *= 6  # some peaky rows
@@ -292,6 +335,12 @@ def test_gpu_real_sizes(shape, reduction):
         torch.rand(N, device="cuda") if reduction == "none" else torch.tensor(0.5, device="cuda")
     )
     _check(x, w, t, vocab, reduction, upstream, factor=1.2, slack=2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_out_of_range_targets():
+    _out_of_range_case(4096, 768, 50304, 50257, "cuda")
 
 
 @pytest.mark.gpu

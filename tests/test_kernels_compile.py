@@ -25,22 +25,23 @@ from fused_loss import kernels
 
 TARGET = GPUTarget("cuda", 90, 32)
 ROW_ARGS = ["z_ptr", "y_ptr", "g_ptr", "loss_ptr"]
-ROW_INTS = ["n_rows", "V", "vocab_size", "stride_z", "ignore_index"]
+ROW_INTS = ["n_rows", "V", "vocab_size", "mask_cols", "stride_z", "ignore_index"]
 # As a launch at the 124M shape specialises them: pointers 16-byte aligned, V = 50304, D = 768
-# and the row stride divisible by 16; vocab_size = 50257 and n_rows not.
+# and the row stride divisible by 16; vocab_size = mask_cols = 50257 and n_rows not.
 DIV16 = {"V", "D", "stride_z", "numel"}
 
 
-def build(fn, sig, consts, num_warps):
+def build(fn, sig, consts, num_warps, **options):
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or n in DIV16}
     sig = dict(sig, **{k: "constexpr" for k in consts})
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    ptx = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps)).asm["ptx"]
+    options = dict(num_warps=num_warps, **options)
+    ptx = triton.compile(src, target=TARGET, options=options).asm["ptx"]
     v4 = len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx))
     b16 = len(re.findall(r"ld\.global(?:\.\w+)*\.b16 ", ptx))
-    return v4, b16
+    return v4, b16, len(re.findall(r"\.maxnreg 64\b", ptx))
 
 
 def row_sig(dt, single):
@@ -67,6 +68,10 @@ for src in ("fp32", "bf16"):
 for dt in ("bf16", "fp32"):
     sig = {"src_ptr": f"*{dt}", "g_ptr": "*fp32", "dst_ptr": f"*{dt}", "numel": "i32"}
     out[f"scale {dt}"] = build(kernels._scale_kernel, sig, dict(BLOCK=4096, UPCAST=False), 4)
+# cap_regs: the register cap reaches the PTX that ptxas sees
+c = dict(G_PER_ROW=False, WRITE_G=True, BV=4096, UPCAST=False, PASS1_BACK=False, PASS2_BACK=True)
+out["softmax_grad bf16 capped"] = build(
+    kernels._softmax_grad_kernel, row_sig("bf16", False), c, 8, maxnreg=64)
 print(json.dumps(out))
 """
 
@@ -88,8 +93,9 @@ def test_kernels_compile_for_sm90_with_vectorised_logit_loads():
     )
     assert p.returncode == 0, p.stderr[-4000:]
     loads = json.loads(p.stdout.strip().splitlines()[-1])
-    assert len(loads) == 14
-    for name, (v4, b16) in loads.items():
+    assert len(loads) == 15
+    assert [n for n, (_, _, capped) in loads.items() if capped] == ["softmax_grad bf16 capped"]
+    for name, (v4, b16, _) in loads.items():
         if name.startswith(("softmax_grad bf16", "exp_rows bf16")):
             # every pass over a row of bf16 logits: 8-wide loads, no 16-bit scalar ones left
             # beyond a couple of single-element reads (the target's logit)
