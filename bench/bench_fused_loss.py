@@ -174,6 +174,7 @@ VARIANTS = {
     "pass2_back": dict(row=dict(order="pass2_back")),  # "auto" without masking; pinned here
     "pass1_back": dict(row=dict(order="pass1_back")),
     "w16_sm2": dict(row=dict(per_sm=2, num_warps=16)),
+    "no_cap_regs": dict(row=dict(cap_regs=False)),  # the launch measured in runs 11-18
     "single_read": dict(row=dict(single_read=True)),
     "extra640": dict(extra=640 * MiB),
     # the trainer's case: fp32 master weight under autocast (default 320 MiB: 10 chunks)
