@@ -137,6 +137,25 @@ def pass_order(option, mask_cols, V):
     return option
 
 
+def row_kernel_setup(cfg, cuda, vocab_size, V):
+    """The row kernels' launch from a CONFIGS entry: (options, order, fill, mask_cols).
+
+    options: compile options (num_warps, and maxnreg when cap_regs on CUDA); order: the two-read
+    kernel's PASS1_BACK / PASS2_BACK constexprs; fill: write -inf into the padded logit columns
+    after the logits GEMM; mask_cols: the column from which the kernels treat logits as -inf.
+    """
+    if cfg["mask"] not in ("kernel", "fill"):
+        raise ValueError(f"CONFIGS mask: kernel or fill, not {cfg['mask']!r}")
+    fill = cfg["mask"] == "fill" and vocab_size < V
+    mask_cols = V if fill else vocab_size
+    o = pass_order(cfg["order"], mask_cols, V)
+    order = dict(PASS1_BACK=o == "pass1_back", PASS2_BACK=o == "pass2_back")
+    options = dict(num_warps=cfg["num_warps"])
+    if cuda and cfg["per_sm"] and cfg["cap_regs"]:
+        options["maxnreg"] = row_kernel_maxnreg(cfg["num_warps"], cfg["per_sm"])
+    return options, order, fill, mask_cols
+
+
 def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     """One chunked pass. x (N, D), w (V, D) (any float dtype), y (N,) int64, g: (1,) or (N,) fp32.
 
@@ -175,17 +194,9 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
         if want_grad:
             p = torch.empty((n, D), device=dev, dtype=torch.float32)  # E @ w of a chunk
             xs_scaled = torch.empty((n, D), device=dev, dtype=x.dtype)  # f * x of a chunk
-    launch = dict(G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], UPCAST=not cuda)
-    launch.update(num_warps=cfg["num_warps"])
-    if cuda and cfg["per_sm"] and cfg["cap_regs"]:
-        launch.update(maxnreg=row_kernel_maxnreg(cfg["num_warps"], cfg["per_sm"]))
+    options, order, fill, mask_cols = row_kernel_setup(cfg, cuda, vocab_size, V)
+    launch = dict(G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], UPCAST=not cuda, **options)
     scale = dict(BD=cfg["BD"], UPCAST=not cuda)
-    if cfg["mask"] not in ("kernel", "fill"):
-        raise ValueError(f"CONFIGS mask: kernel or fill, not {cfg['mask']!r}")
-    fill = cfg["mask"] == "fill" and vocab_size < V
-    mask_cols = V if fill else vocab_size  # the row kernels' -inf from this column on
-    o = pass_order(cfg["order"], mask_cols, V)
-    order = dict(PASS1_BACK=o == "pass1_back", PASS2_BACK=o == "pass2_back")
 
     for i, c0 in enumerate(range(0, N, n)):
         rows = min(n, N - c0)

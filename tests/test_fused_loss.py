@@ -168,6 +168,13 @@ def test_register_cap_fits_the_programs_per_sm():
     assert fl.row_kernel_maxnreg(16, 2) == 64
     assert fl.row_kernel_maxnreg(8, 3) == 80  # 85, rounded down to ptxas's granularity of 8
     assert fl.row_kernel_maxnreg(4, 1) == 248  # below the 255 a thread can address
+    cfg = dict(fl.CONFIGS["cuda"], cap_regs=True, num_warps=8, per_sm=4, mask="fill")
+    options, _, fill, mask_cols = fl.row_kernel_setup(cfg, True, 50257, 50304)
+    assert options == dict(num_warps=8, maxnreg=64) and fill and mask_cols == 50304
+    options, _, fill, mask_cols = fl.row_kernel_setup(cfg, False, 50304, 50304)  # interpreter
+    assert options == dict(num_warps=8) and not fill and mask_cols == 50304
+    with pytest.raises(ValueError, match="CONFIGS mask"):
+        fl.row_kernel_setup(dict(cfg, mask="zero"), True, 10, 10)
 
 
 def test_pass_order_auto_and_bad_option():
