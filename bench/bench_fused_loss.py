@@ -183,18 +183,25 @@ VARIANTS = {
 
 
 @contextlib.contextmanager
-def variant(name):
-    """fl.CONFIGS["cuda"] and fl.EXTRA_BYTES as VARIANTS[name] sets them, restored after."""
-    v = VARIANTS[name]
+def configured(extra=None, **row):
+    """fl.CONFIGS["cuda"] with these entries (and fl.EXTRA_BYTES = extra), restored after."""
     saved_cfg, saved_extra = dict(fl.CONFIGS["cuda"]), fl.EXTRA_BYTES
     try:
-        fl.CONFIGS["cuda"].update(v.get("row", {}))
-        fl.EXTRA_BYTES = v.get("extra", saved_extra)
-        yield v
+        fl.CONFIGS["cuda"].update(row)
+        fl.EXTRA_BYTES = saved_extra if extra is None else extra
+        yield
     finally:
         fl.CONFIGS["cuda"].clear()
         fl.CONFIGS["cuda"].update(saved_cfg)
         fl.EXTRA_BYTES = saved_extra
+
+
+@contextlib.contextmanager
+def variant(name):
+    """The settings of VARIANTS[name], restored after; yields the variant."""
+    v = VARIANTS[name]
+    with configured(v.get("extra"), **v.get("row", {})):
+        yield v
 
 
 def run_variant(name, x, w, t, ref, reps):

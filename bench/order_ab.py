@@ -13,27 +13,13 @@ and the one that should settle cap_regs and mask.
 """
 
 import argparse
-import contextlib
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fused_loss import SHAPES, make_inputs, master_weight, timed  # noqa: E402
+from bench_fused_loss import SHAPES, configured, make_inputs, master_weight, timed  # noqa: E402
 
-import fused_loss.fused as fl  # noqa: E402  (bench_fused_loss put the repo on the path)
-from fused_loss import fused_linear_cross_entropy  # noqa: E402
-
-
-@contextlib.contextmanager
-def configured(**overrides):
-    """fl.CONFIGS["cuda"] with these entries, restored after."""
-    saved = dict(fl.CONFIGS["cuda"])
-    try:
-        fl.CONFIGS["cuda"].update(overrides)
-        yield
-    finally:
-        fl.CONFIGS["cuda"].clear()
-        fl.CONFIGS["cuda"].update(saved)
+from fused_loss import fused_linear_cross_entropy  # noqa: E402  (bench_fused_loss set the path)
 
 
 def cases(knobs):

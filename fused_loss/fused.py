@@ -30,40 +30,19 @@ from fused_loss.reference import linear_cross_entropy_reference
 # order: the directions of _softmax_grad_kernel's two passes over a row (kernels.py), "forward",
 # "pass2_back", "pass1_back" or "auto" (pass_order below).
 # cap_regs: cap the row kernels' registers (ptxas .maxnreg, row_kernel_maxnreg) so that per_sm
-# programs fit on an SM at once, as the persistent grid assumes. Register counts from ptxas
-# (triton 3.6, sm_90a), at mask_cols 50304 / 50257. The kernels timed in session 12: forward
-# 64 / 111, pass 2 backward 64 / 80, single read 63 / 64; the H200 timings track them (80+
-# registers leave 2-3 of the 4 programs per SM resident; bench/RESULTS.md). The kernels now,
-# with the out-of-range-target guard and mask_cols: forward 79 / 109, pass 2 backward 79 / 80,
-# pass 1 backward 80 / 64, single read 64 / 64: the default (pass 2 backward, unmasked) would lose
-# its 4th program per SM. Capped at 64: 62-64 registers, at most 4 bytes of spill, every variant
-# (triton 3.9's ptxas: at most 124 bytes, at 50257 with mask="kernel"). So the cap is on; its
-# GPU timing is pending (bench/order_ab.py --knobs).
+# programs fit on an SM at once, as the persistent grid assumes. Uncapped, ptxas's counts swing
+# with small code changes and with vocab_size (64 to 111 registers, triton 3.6, sm_90a), and
+# every H200 configuration above 64 was 0.4-1.1 ms slower (2-3 of 4 programs resident). Capped at
+# 64: 62-64 registers and at most 4 bytes of spill for every variant. On by this evidence; its
+# GPU timing is pending (bench/order_ab.py --knobs; counts in bench/RESULTS.md, session 12).
 # mask: how padded columns leave the softmax. "kernel": the row kernel masks from vocab_size on
 # (the measured default). "fill": -inf is written into the chunk's padded logit columns after
 # the logits GEMM (one small strided fill per chunk) and the row kernel runs as if unmasked, with
 # the unmasked kernel's registers (kernels.py). Same results; unmeasured on the GPU.
+_CHOICES = dict(single_read="auto", order="auto", cap_regs=True, mask="kernel")
 CONFIGS = {
-    "cuda": dict(
-        BV=4096,
-        BD=256,
-        num_warps=8,
-        per_sm=4,
-        single_read="auto",
-        order="auto",
-        cap_regs=True,
-        mask="kernel",
-    ),
-    "cpu": dict(
-        BV=16,
-        BD=16,
-        num_warps=1,
-        per_sm=1,
-        single_read="auto",
-        order="auto",
-        cap_regs=True,
-        mask="kernel",
-    ),
+    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, **_CHOICES),
+    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, **_CHOICES),
 }
 REGS_PER_SM = 65536  # 32-bit registers per SM on sm_70 .. sm_90
 REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kernel rebases a row
