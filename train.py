@@ -89,6 +89,12 @@ class TrainConfig:
     # torch.compile's mode: "default", "max-autotune-no-cudagraphs" (Triton GEMM templates with
     # fused epilogues, minutes of autotuning at start-up), "max-autotune", "reduce-overhead"
     compile_mode: str = "default"
+    # torch.compile's activation memory budget (torch._functorch.config): 1 saves what the
+    # partitioner chooses; below 1 the backward recomputes cheap (pointwise) activations instead
+    # of keeping them, trading a little time for memory at large models
+    activation_memory_budget: float = 1.0
+    # Inductor tunes its generated kernels' block sizes by coordinate descent while compiling
+    coordinate_descent_tuning: bool = False
     seed: int = 1337
 
 
@@ -196,6 +202,11 @@ def _check_ranges(cfg):
         raise ConfigError(f"config key 'final_lr_frac' must be in [0, 1], got {cfg.final_lr_frac}")
     if cfg.dtype not in ("auto", "bfloat16", "float32"):
         raise ConfigError(f"config key 'dtype': auto, bfloat16 or float32, not {cfg.dtype!r}")
+    if not 0.0 < cfg.activation_memory_budget <= 1.0:
+        raise ConfigError(
+            "config key 'activation_memory_budget' must be in (0, 1], "
+            f"got {cfg.activation_memory_budget!r}"
+        )
     if cfg.compile_mode not in COMPILE_MODES:
         raise ConfigError(
             f"config key 'compile_mode': one of {COMPILE_MODES}, not {cfg.compile_mode!r}"
@@ -449,6 +460,7 @@ def main(argv=None):
 
     log_file = run = None
     old_handlers = {}
+    compile_settings = contextlib.ExitStack()  # Inductor's global settings, for this run only
     try:
         T = cfg.block_size
         grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
@@ -512,6 +524,14 @@ def main(argv=None):
             del ckpt
         elif cfg.resume:
             notes.append(f"--resume: no checkpoint in {cfg.out_dir!r}, starting at step 0")
+        if use_compile:  # compilation is lazy (first step, first eval): patched until the end
+            import torch._functorch.config as functorch_config
+            import torch._inductor.config as inductor_config
+
+            budget = dict(activation_memory_budget=cfg.activation_memory_budget)
+            compile_settings.enter_context(functorch_config.patch(**budget))
+            tuning = dict(coordinate_descent_tuning=cfg.coordinate_descent_tuning)
+            compile_settings.enter_context(inductor_config.patch(**tuning))
         model = torch.compile(raw_model, mode=cfg.compile_mode) if use_compile else raw_model
         train_model = model
         if ddp:
@@ -700,6 +720,7 @@ def main(argv=None):
             f"total_batch_size stays {cfg.total_batch_size} through more gradient accumulation."
         ) from e
     finally:
+        compile_settings.close()
         for s, h in old_handlers.items():
             signal.signal(s, h)
         if log_file is not None:

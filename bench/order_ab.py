@@ -1,50 +1,62 @@
-"""The row kernels' launch options, with and without the padded columns masked: GPU time.
+"""The row kernels' launch options and the chunk size, with and without padded columns: GPU time.
 
-    python bench/order_ab.py [--repeats 3] [--knobs]
+    python bench/order_ab.py [--repeats 3] [--knobs] [--chunks]
 
 At the 124M shape (bench_fused_loss's inputs, targets within the real vocab) it times one fwd+bwd
-of ours with bf16 x and w for order "forward" and "pass2_back" at vocab_size 50304 (nothing
-masked) and 50257 (47 padded columns masked), and the fp32-master case (single-read kernel) at
-both, interleaved --repeats times, with fused.CONFIGS as they are (register cap on). --knobs
-adds the same rows with cap_regs=False, and the masked rows with mask="fill" (options in
-fused.py). Times are medians of 10 calls in ms with the host's latency hidden
-(bench_fused_loss.timed(hide_host=True)). This is the measurement behind fused.pass_order("auto")
-and the one that should settle cap_regs and mask.
+of ours with bf16 x and w for each pass order ("forward", "pass1_back", "pass2_back") at
+vocab_size 50304 (nothing masked) and 50257 (47 padded columns masked), and the fp32-master case
+(single-read kernel) at both, interleaved --repeats times, with fused.CONFIGS as they are.
+--knobs adds the masked rows with mask="kernel" and with cap_regs=False (options in fused.py).
+--chunks adds rows at other buffer budgets (fused.EXTRA_BYTES): bf16 w at 18 chunks instead of
+19, the fp32 master weight at 13 and 12 chunks instead of 10. Times are medians of 10 calls in
+ms with the host's latency hidden (bench_fused_loss.timed(hide_host=True)). This is the
+measurement behind the CONFIGS defaults (order, mask, cap_regs).
 """
 
 import argparse
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fused_loss import SHAPES, configured, make_inputs, master_weight, timed  # noqa: E402
 
 from fused_loss import fused_linear_cross_entropy  # noqa: E402  (bench_fused_loss set the path)
 
+MIB = 2**20
+ORDERS = ("forward", "pass1_back", "pass2_back")
 
-def cases(knobs):
-    """(label, CONFIGS overrides, vocab_size, fp32 master weight) in timing order."""
+
+def cases(knobs, chunks):
+    """(label, CONFIGS overrides, EXTRA_BYTES or None, vocab_size, fp32 master) in timing order."""
     settings = [("", {})]
     if knobs:
-        settings += [("no cap_regs, ", dict(cap_regs=False)), ("mask fill, ", dict(mask="fill"))]
-        settings += [("mask fill, no cap_regs, ", dict(mask="fill", cap_regs=False))]
+        settings += [("mask kernel, ", dict(mask="kernel"))]
+        settings += [("no cap_regs, ", dict(cap_regs=False))]
     out = []
     for prefix, over in settings:
-        for vocab in (50304, 50257):
-            if over.get("mask") == "fill" and vocab == 50304:
-                continue  # nothing to fill
-            for order in ("forward", "pass2_back"):
+        for vocab in (50304, 50257) if not over else (50257,):
+            for order in ORDERS:
                 label = f"{prefix}bf16 w, {order}, vocab_size {vocab}"
-                out.append((label, dict(over, order=order), vocab, False))
+                out.append((label, dict(over, order=order), None, vocab, False))
             label = f"{prefix}fp32 master w (single read), vocab_size {vocab}"
-            out.append((label, over, vocab, True))
+            out.append((label, over, None, vocab, True))
+    if chunks:  # budgets that give 18 chunks (bf16 w), 13 and 12 (fp32 w) at this shape
+        for order in ORDERS[1:]:
+            label = f"bf16 w, {order}, 18 chunks, vocab_size 50257"
+            out.append((label, dict(order=order), 332 * MIB, 50257, False))
+        for mib, k in ((256, 13), (288, 12)):
+            label = f"fp32 master w, {k} chunks, vocab_size 50257"
+            out.append((label, {}, mib * MIB, 50257, True))
     return out
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--knobs", action="store_true", help="also cap_regs and mask='fill'")
+    ap.add_argument("--knobs", action="store_true", help="also mask='kernel' and cap_regs=False")
+    ap.add_argument("--chunks", action="store_true", help="also other buffer budgets")
     args = ap.parse_args()
     x, w, t = make_inputs(*SHAPES["124M"])
     t = t.clamp(max=50256)  # valid under both vocab sizes
@@ -58,22 +70,34 @@ def main():
 
         fn = master_weight(fn) if master else fn
 
-        def run():
+        def run(keep_grads=True):
             xg.grad = wg.grad = None
             fn(xg, wg, t).backward()
+            if not keep_grads:
+                xg.grad = wg.grad = None
 
         return run
 
-    rows = {}
+    rows, peaks = {}, {}
     for _ in range(args.repeats):
-        for label, over, vocab, master in cases(args.knobs):
-            with configured(**over):
+        for label, over, extra, vocab, master in cases(args.knobs, args.chunks):
+            with configured(extra, **over):
                 run = fwd_bwd(w32 if master else w, vocab, master)
+                if label not in peaks:  # peak above the inputs, as bench_fused_loss measures it
+                    torch.cuda.synchronize()
+                    base = torch.cuda.memory_allocated()
+                    run(keep_grads=False)
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    run()
+                    torch.cuda.synchronize()
+                    peaks[label] = (torch.cuda.max_memory_allocated() - base) / MIB
                 rows.setdefault(label, []).append(timed(run, 10, hide_host=True))
-    print("| case | GPU ms per repeat |")
-    print("|---|---|")
+    print("| case | GPU ms per repeat | peak MiB |")
+    print("|---|---|---|")
     for label, times in rows.items():
-        print(f"| {label} | " + " / ".join(f"{ms:.2f}" for ms in times) + " |")
+        ms = " / ".join(f"{t:.2f}" for t in times)
+        print(f"| {label} | {ms} | {peaks[label]:.0f} |")
 
 
 if __name__ == "__main__":

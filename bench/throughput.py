@@ -2,22 +2,27 @@
 
     python bench/throughput.py [--runs 124M:32,124M:64,350M:32,1558M:16] [--impls fused,torch]
         [--steps 30] [--warmup 10] [--out DIR] [--profile 124M:32] [--max-batch auto]
-        [--train-args="--compile_mode='max-autotune-no-cudagraphs'"]
+        [--train-args= --train-args="--compile_mode='reduce-overhead'" ...]
 
 Each run is a fresh process calling train.main (compiled model, bf16 autocast, fused AdamW, one
 micro-batch per step: total batch = B * 1024) on a shard of uniform random tokens. Reported per
-run: median step time and tok/s over the steps after --warmup, the MFU train.py logs, and the
-peak GPU memory allocated. --profile runs one more (fused) training, profiles its steps 10-12
-(torch profiler) and prints the top kernels by CUDA time per step. --max-batch auto tries the
-largest 124M micro-batch that the B = 32 and 64 runs predict to fit, per impl (or the impl:B
-list given), and reports whether it did.
-Writes DIR/throughput.json.
+run: median step time and tok/s over the steps after --warmup, the MFU train.py logs, the
+peak GPU memory allocated, and the first and last step's loss. Runs of one model share the seed
+and the data, so their first losses agree to ~1e-4 whatever the loss or compile settings (1558M:
+11.1460 in eager mode); one that does not computed something else. --profile runs one more
+(fused) training, profiles its steps 10-12 (torch profiler) and prints the top kernels by CUDA
+time per step. --max-batch auto tries the largest 124M micro-batch that the B = 32 and 64 runs
+predict to fit, per impl (or the impl:B list given), and reports whether it did. Each
+--train-args value (extra train.py arguments; an empty one is the plain run) makes a variant of
+every run, compared within one call of the script. Writes DIR/throughput.json and copies each
+run's log.jsonl into DIR.
 """
 
 import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -111,7 +116,11 @@ def step_stats(log_path, warmup):
     steps = [r for r in recs if "ms" in r and r["step"] >= warmup]
     ms = statistics.median(r["ms"] for r in steps)
     mfu = statistics.median(r["mfu"] for r in steps) if steps[0].get("mfu") else None
-    return dict(ms=ms, tok_per_s=statistics.median(r["tok_per_s"] for r in steps), mfu=mfu)
+    losses = [r["loss"] for r in recs if "loss" in r]  # the first and the last: a broken or
+    first_last = dict(loss_first=losses[0], loss_last=losses[-1])  # diverging run shows here
+    return dict(
+        ms=ms, tok_per_s=statistics.median(r["tok_per_s"] for r in steps), mfu=mfu, **first_last
+    )
 
 
 def max_batch_candidates(runs, impl, capacity_gib=None):
@@ -138,9 +147,10 @@ def main():
     ap.add_argument("--impls", default="fused,torch")
     ap.add_argument(
         "--train-args",
-        default="",
-        help="extra train.py arguments for every run; give it with '=' since the value starts "
-        "with '--': --train-args=\"--compile_mode='max-autotune-no-cudagraphs'\"",
+        action="append",
+        help="extra train.py arguments; each use adds a variant of every run (default: none). "
+        "Give it with '=' since the value starts with '--': "
+        "--train-args=\"--compile_mode='reduce-overhead'\" (and --train-args= for the plain run)",
     )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
@@ -165,18 +175,21 @@ def main():
     for spec in [s for s in args.runs.split(",") if s]:
         model, batch = spec.split(":")
         for impl in args.impls.split(","):
-            out_dir = os.path.join(work, f"{model}_b{batch}_{impl}")
-            subprocess.run(["rm", "-rf", out_dir])
-            cli = train_args(model, int(batch), impl, args.steps, dataset, out_dir)
-            cli += shlex.split(args.train_args)
-            res = dict(model=model, batch=int(batch), impl=impl, **run_child(cli))
-            if args.train_args:
-                res["train_args"] = args.train_args
-            if res["rc"] == 0:
-                res.update(step_stats(os.path.join(out_dir, "log.jsonl"), args.warmup))
-            results["runs"].append(res)
-            print(json.dumps(res), flush=True)
-            save()
+            for k, extra in enumerate(args.train_args or [""]):
+                name = f"{model}_b{batch}_{impl}" + (f"_v{k}" if extra else "")
+                out_dir = os.path.join(work, name)
+                subprocess.run(["rm", "-rf", out_dir])
+                cli = train_args(model, int(batch), impl, args.steps, dataset, out_dir)
+                cli += shlex.split(extra)
+                res = dict(model=model, batch=int(batch), impl=impl, **run_child(cli))
+                res["train_args"] = extra
+                log = os.path.join(out_dir, "log.jsonl")
+                if res["rc"] == 0:
+                    res.update(step_stats(log, args.warmup))
+                    shutil.copy(log, os.path.join(args.out, f"log_{name}.jsonl"))
+                results["runs"].append(res)
+                print(json.dumps(res), flush=True)
+                save()
     if args.profile:
         model, batch = args.profile.split(":")
         out_dir = os.path.join(work, "profile")
@@ -201,16 +214,18 @@ def main():
             if res["fits"]:
                 break
 
-    print("\n| model | batch | loss | ms/step | tok/s | MFU | peak GiB |")
-    print("|---|---|---|---|---|---|---|")
+    cols = "model | batch | loss | train args | ms/step | tok/s | MFU | peak GiB | loss 1st, last"
+    print(f"\n| {cols} |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results["runs"]:
+        row = f"| {r['model']} | {r['batch']} | {r['impl']} | {r.get('train_args', '')} |"
         if r["rc"]:
-            print(f"| {r['model']} | {r['batch']} | {r['impl']} | error: {r['error'][-120:]} |")
+            print(f"{row} error: {r['error'][-120:]} |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
         print(
-            f"| {r['model']} | {r['batch']} | {r['impl']} | {r['ms']:.1f} | "
-            f"{r['tok_per_s']:,.0f} | {mfu} | {r['peak_gib']:.2f} |"
+            f"{row} {r['ms']:.1f} | {r['tok_per_s']:,.0f} | {mfu} | {r['peak_gib']:.2f} | "
+            f"{r['loss_first']:.4f}, {r['loss_last']:.4f} |"
         )
     prof = results["profile"]
     if prof and prof.get("profile"):

@@ -27,19 +27,22 @@ from fused_loss.reference import linear_cross_entropy_reference
 # dropped, none faster (bench/RESULTS.md): the dx GEMM on a side stream next to dw, software
 # pipelining of the row loops (num_stages), prefetching the next block into registers, chunk
 # counts chosen to fill the last wave of persistent programs, BV 2048 with 4-6 programs per SM.
-# order: the directions of _softmax_grad_kernel's two passes over a row (kernels.py), "forward",
-# "pass2_back", "pass1_back" or "auto" (pass_order below).
+# order: the directions of _softmax_grad_kernel's two passes over a row (kernels.py): "forward",
+# "pass1_back" or "pass2_back". Both backward orders start pass 2 on the blocks pass 1 read
+# last, likelier still in L2. H200, 124M fwd+bwd, GPU ms, 3 interleaved repeats (bench/RESULTS.md,
+# run 20): pass1_back 13.92-13.98 / pass2_back 14.16-14.24 / forward 14.36-14.40 without padded
+# columns, and 13.99-14.04 / 14.25-14.26 / 14.42-14.46 with them filled.
 # cap_regs: cap the row kernels' registers (ptxas .maxnreg, row_kernel_maxnreg) so that per_sm
 # programs fit on an SM at once, as the persistent grid assumes. Uncapped, ptxas's counts swing
-# with small code changes and with vocab_size (64 to 111 registers, triton 3.6, sm_90a), and
-# every H200 configuration above 64 was 0.4-1.1 ms slower (2-3 of 4 programs resident). Capped at
-# 64: 62-64 registers and at most 4 bytes of spill for every variant. On by this evidence; its
-# GPU timing is pending (bench/order_ab.py --knobs; counts in bench/RESULTS.md, session 12).
-# mask: how padded columns leave the softmax. "kernel": the row kernel masks from vocab_size on
-# (the measured default). "fill": -inf is written into the chunk's padded logit columns after
-# the logits GEMM (one small strided fill per chunk) and the row kernel runs as if unmasked, with
-# the unmasked kernel's registers (kernels.py). Same results; unmeasured on the GPU.
-_CHOICES = dict(single_read="auto", order="auto", cap_regs=True, mask="kernel")
+# with small code changes and with vocab_size (64 to 111 registers, triton 3.6, sm_90a) and the
+# kernel slows down: 14.50-15.96 ms against 14.13-14.72 capped (run 20; counts in RESULTS).
+# mask: how padded columns leave the softmax. "fill": -inf is written into the chunk's padded
+# logit columns after the logits GEMM (one small strided fill per chunk) and the row kernel
+# runs unmasked. "kernel": the row kernel masks from vocab_size on. Same results (tested);
+# "fill" measured 0.06-0.3 ms faster at vocab_size 50257 (run 20: 13.99-14.04 against
+# 14.12-14.16 with pass1_back).
+_CHOICES = dict(single_read="auto", order="pass1_back", cap_regs=True, mask="fill")
+ORDERS = ("forward", "pass1_back", "pass2_back")
 CONFIGS = {
     "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, **_CHOICES),
     "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, **_CHOICES),
@@ -99,23 +102,6 @@ def use_single_read(option, compute_dtype, dw_dtype):
     return option and compute_dtype != torch.float16  # E reaches e^60: not for fp16
 
 
-def pass_order(option, mask_cols, V):
-    """The two-read kernel's pass order for CONFIGS' order option (mask_cols: see lce_pass).
-
-    "auto", from H200 timings of one 124M fwd+bwd with the host's latency hidden (bench/RESULTS.md,
-    runs 16 and 18, 3 repeats each): unmasked, pass 2 backward (starting on the blocks pass 1 read
-    last, likelier in L2) 14.6-14.8 ms against 14.9-15.1 forward; masked at an odd column
-    (50257), the reverse, 15.7-16.0 against 15.3-15.5. The likely reason is registers, found
-    after those runs: there pass 2 backward compiles to 80 (3 of the grid's 4 programs per SM
-    resident, the 4th in a second wave) and forward to 111 (2 per SM, whole waves); see CONFIGS.
-    """
-    if option == "auto":
-        return "pass2_back" if mask_cols == V else "forward"
-    if option not in ("forward", "pass1_back", "pass2_back"):
-        raise ValueError(f"CONFIGS order: auto, forward, pass1_back or pass2_back, not {option!r}")
-    return option
-
-
 def row_kernel_setup(cfg, cuda, vocab_size, V):
     """The row kernels' launch from a CONFIGS entry: (options, order, fill, mask_cols).
 
@@ -125,10 +111,11 @@ def row_kernel_setup(cfg, cuda, vocab_size, V):
     """
     if cfg["mask"] not in ("kernel", "fill"):
         raise ValueError(f"CONFIGS mask: kernel or fill, not {cfg['mask']!r}")
+    if cfg["order"] not in ORDERS:
+        raise ValueError(f"CONFIGS order: one of {ORDERS}, not {cfg['order']!r}")
     fill = cfg["mask"] == "fill" and vocab_size < V
     mask_cols = V if fill else vocab_size
-    o = pass_order(cfg["order"], mask_cols, V)
-    order = dict(PASS1_BACK=o == "pass1_back", PASS2_BACK=o == "pass2_back")
+    order = dict(PASS1_BACK=cfg["order"] == "pass1_back", PASS2_BACK=cfg["order"] == "pass2_back")
     options = dict(num_warps=cfg["num_warps"])
     if cuda and cfg["per_sm"] and cfg["cap_regs"]:
         options["maxnreg"] = row_kernel_maxnreg(cfg["num_warps"], cfg["per_sm"])

@@ -26,18 +26,19 @@ _softmax_grad_kernel, one program per row at a time (persistent over rows):
            but on the H200 (124M) the kernel takes 3.3 ms against 2.3 ms for the single-read
            kernel's one read + one write: 1.5x, as if the re-read came from HBM. ~528 rows of
            ~100 KB are in flight against a 50 MB L2, and pass 2 in the same order as pass 1
-           starts on the oldest blocks. PASS2_BACK (pass 2 starts on the blocks pass 1 read
-           last) measured 2.96-3.01 ms against 3.28-3.29 for this kernel (H200 profiles); it is
-           the default without padded columns, but slower with them (fused.pass_order).
-           PASS1_BACK (pass 1 starts on the row's last blocks) measured no faster.
+           starts on the oldest blocks. So by default pass 1 runs backward (PASS1_BACK: from
+           the row's last block to its first) and pass 2 forward from the blocks just read;
+           PASS2_BACK is the mirror image. Both beat the plain order, PASS1_BACK by the most
+           once the registers were capped (fused.CONFIGS "order"; bench/RESULTS.md).
 
 Padded columns (vocab_size < V) are out of the softmax either way: the kernels treat columns from
 mask_cols on as -inf, where mask_cols is vocab_size, or V once fused.py has written -inf into the
-chunk's padded logit columns (CONFIGS mask="fill"). The two differ in cost, not in results: an
-odd mask_cols (50257) compiles to per-element compares that take ptxas (triton 3.6, sm_90a) from
-64 registers to 80-111, so fewer than the 4 programs per SM that the persistent grid counts on
-fit at once; mask_cols = V compiles to the unmasked kernel. A target outside [0, vocab_size) that
-is not ignore_index gets a NaN loss (_target): it is never used as an index.
+chunk's padded logit columns (CONFIGS mask="fill", the default). The two differ in cost, not in
+results: an odd mask_cols (50257) compiles to per-element compares that took ptxas (triton 3.6,
+sm_90a) from 64 registers to 80-111 before the registers were capped (fused.CONFIGS "cap_regs"),
+and still costs 0.1 ms at 124M with the cap; mask_cols = V compiles to the unmasked kernel.
+A target outside [0, vocab_size) that is not ignore_index gets a NaN loss (_target): it is never
+used as an index.
 
 Single-read variant (CONFIGS "single_read"; by default for fp32 weights only, see fused.py). The
 second read above is there because exp() needs the row's lse before G can be written. Writing

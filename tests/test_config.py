@@ -67,6 +67,8 @@ def test_preset_sets_shape_and_explicit_keys_win():
         (["--final_lr_frac=2.0"], "final_lr_frac"),
         (["--dtype=fp16"], "dtype"),
         (["--compile_mode=fastest"], "compile_mode"),
+        (["--activation_memory_budget=0.0"], "activation_memory_budget"),
+        (["--activation_memory_budget=1.5"], "activation_memory_budget"),
         (["--model=gpt9"], "model"),
     ],
 )

@@ -177,12 +177,14 @@ def test_register_cap_fits_the_programs_per_sm():
         fl.row_kernel_setup(dict(cfg, mask="zero"), True, 10, 10)
 
 
-def test_pass_order_auto_and_bad_option():
-    assert fl.pass_order("auto", 50304, 50304) == "pass2_back"
-    assert fl.pass_order("auto", 50257, 50304) == "forward"  # padded columns masked
-    assert fl.pass_order("pass1_back", 50257, 50304) == "pass1_back"
+def test_row_kernel_setup_orders_and_bad_options():
+    cfg = dict(fl.CONFIGS["cuda"], mask="kernel")
+    for o in fl.ORDERS:
+        _, order, fill, mask_cols = fl.row_kernel_setup(dict(cfg, order=o), True, 50257, 50304)
+        assert order == dict(PASS1_BACK=o == "pass1_back", PASS2_BACK=o == "pass2_back")
+        assert not fill and mask_cols == 50257  # the kernel masks from vocab_size on
     with pytest.raises(ValueError, match="CONFIGS order"):
-        fl.pass_order("backward", 10, 10)
+        fl.row_kernel_setup(dict(cfg, order="backward"), True, 10, 10)
 
 
 def test_single_read_auto_takes_it_only_for_fp32_dw():
@@ -330,10 +332,10 @@ def test_bad_inputs_raise_clear_errors():
     "shape", [(4096, 768, 50304, 50257), (1000, 1600, 50304, 50257), (777, 200, 4099, 4001)]
 )
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("knob", ["default", "mask_fill", "no_cap_regs"])
+@pytest.mark.parametrize("knob", ["default", "mask_kernel", "no_cap_regs"])
 def test_gpu_real_sizes(shape, reduction, knob, monkeypatch):
     if knob != "default":  # the options timed against the default in bench/order_ab.py --knobs
-        key, value = ("mask", "fill") if knob == "mask_fill" else ("cap_regs", False)
+        key, value = ("mask", "kernel") if knob == "mask_kernel" else ("cap_regs", False)
         monkeypatch.setitem(fl.CONFIGS["cuda"], key, value)
     N, D, V, vocab = shape
     x, w, t = _make(N, D, V, vocab, torch.bfloat16, "cuda", ignore_frac=0.05, seed=7)
