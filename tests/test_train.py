@@ -248,3 +248,35 @@ def test_hellaswag_logged_with_val_loss(tiny_args, tmp_path):
             args[:-1]
             + [f"--hellaswag_path={tmp_path / 'missing.jsonl'}", f"--out_dir={tmp_path / 'o2'}"]
         )
+
+
+def test_compile_settings_hold_for_the_run_only(tiny_args, tmp_path, monkeypatch):
+    """activation_memory_budget / coordinate_descent_tuning reach Inductor while the run compiles
+    (compilation is lazy: first step, first eval) and are restored when main returns."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    seen = []
+
+    def fake_compile(model, mode=None):  # records the settings instead of compiling on CPU
+        seen.append(
+            (
+                functorch_config.activation_memory_budget,
+                inductor_config.coordinate_descent_tuning,
+                mode,
+            )
+        )
+        return model
+
+    monkeypatch.setattr(train.torch, "compile", fake_compile)
+    before = (functorch_config.activation_memory_budget, inductor_config.coordinate_descent_tuning)
+    args = tiny_args + [f"--out_dir={tmp_path}", "--max_steps=1", "--eval_interval=0"]
+    train.main(
+        args
+        + ["--compile=True", "--activation_memory_budget=0.5", "--coordinate_descent_tuning=True"]
+    )
+    assert seen == [(0.5, True, "default")]
+    assert (
+        functorch_config.activation_memory_budget,
+        inductor_config.coordinate_descent_tuning,
+    ) == before
