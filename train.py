@@ -207,6 +207,12 @@ def _check_ranges(cfg):
             "config key 'activation_memory_budget' must be in (0, 1], "
             f"got {cfg.activation_memory_budget!r}"
         )
+    if cfg.activation_memory_budget < 1.0 and cfg.dropout > 0.0:
+        raise ConfigError(
+            "activation_memory_budget < 1 with dropout > 0: the compiled backward may recompute "
+            "dropout with a fresh mask and silently get wrong gradients (pytorch issue #190758); "
+            "use one or the other"
+        )
     if cfg.compile_mode not in COMPILE_MODES:
         raise ConfigError(
             f"config key 'compile_mode': one of {COMPILE_MODES}, not {cfg.compile_mode!r}"

@@ -69,6 +69,7 @@ def test_preset_sets_shape_and_explicit_keys_win():
         (["--compile_mode=fastest"], "compile_mode"),
         (["--activation_memory_budget=0.0"], "activation_memory_budget"),
         (["--activation_memory_budget=1.5"], "activation_memory_budget"),
+        (["--activation_memory_budget=0.9", "--dropout=0.1"], "dropout"),
         (["--model=gpt9"], "model"),
     ],
 )
