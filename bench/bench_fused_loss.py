@@ -115,12 +115,25 @@ def timed(fn, reps, warmup=2, hide_host=False):
     return statistics.median(times)
 
 
-def measure(fn, x, w, t, ref, reps):
-    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+class FwdBwd:
+    """One fwd+bwd of fn(x, w, t) per call, on leaf copies .x, .w, with fresh gradients each
+    call (as every script here times it); clear() drops the last call's gradients."""
 
-    def fwd_bwd():
-        xg.grad = wg.grad = None
-        fn(xg, wg, t).backward()
+    def __init__(self, fn, x, w, t):
+        self.fn, self.t = fn, t
+        self.x, self.w = x.detach().requires_grad_(), w.detach().requires_grad_()
+
+    def clear(self):
+        self.x.grad = self.w.grad = None
+
+    def __call__(self):
+        self.clear()
+        self.fn(self.x, self.w, self.t).backward()
+
+
+def measure(fn, x, w, t, ref, reps):
+    fwd_bwd = FwdBwd(fn, x, w, t)
+    xg, wg = fwd_bwd.x, fwd_bwd.w
 
     def fwd():
         with torch.enable_grad():

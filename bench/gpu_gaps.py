@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fused_loss import SHAPES, make_inputs, methods, variant  # noqa: E402
+from bench_fused_loss import SHAPES, FwdBwd, make_inputs, methods, variant  # noqa: E402
 
 GPU_CATS = ("kernel", "gpu_memset", "gpu_memcpy")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
@@ -93,22 +93,13 @@ def main():
     meths = methods()
     rows = {}
 
-    def fwd_bwd(fn):
-        xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
-
-        def run():  # as bench_fused_loss times it: fresh grads each call
-            xg.grad = wg.grad = None
-            fn(xg, wg, t).backward()
-
-        return run
-
     runs = [("torch.compile", None), ("ours", None)]
     runs += [("ours", v) for v in args.variants.split(",") if v]
     for name, v in runs:
         label = f"{name}[{v}]" if v else name
         try:
             with variant(v) if v else contextlib.nullcontext():
-                rows[label] = timeline(fwd_bwd(meths[name]), label)
+                rows[label] = timeline(FwdBwd(meths[name], x, w, t), label)
         except Exception as e:  # report and go on: one call holds several runs
             print(label, "failed:", repr(e)[:300])
     os.makedirs(args.out, exist_ok=True)

@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fused_loss import SHAPES, MiB, make_inputs, master_weight  # noqa: E402
+from bench_fused_loss import SHAPES, FwdBwd, MiB, make_inputs, master_weight  # noqa: E402
 
 from fused_loss import fused_linear_cross_entropy  # noqa: E402  (bench_fused_loss set the path)
 
@@ -50,16 +50,11 @@ def report(name, master):
     """Print what is alive at the peak of one fwd+bwd at SHAPES[name]."""
     N, D, V = SHAPES[name]
     x, w, t = make_inputs(N, D, V)
-    xg = x.requires_grad_()
-    wg = (w.float() if master else w).requires_grad_()
     fn = master_weight(fused_linear_cross_entropy) if master else fused_linear_cross_entropy
-
-    def fwd_bwd():
-        xg.grad = wg.grad = None
-        fn(xg, wg, t).backward()
-
+    fwd_bwd = FwdBwd(fn, x, w.float() if master else w, t)
+    xg, wg = fwd_bwd.x, fwd_bwd.w
     fwd_bwd()
-    xg.grad = wg.grad = None
+    fwd_bwd.clear()
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

@@ -20,12 +20,18 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fused_loss import SHAPES, configured, make_inputs, master_weight, timed  # noqa: E402
+from bench_fused_loss import (  # noqa: E402
+    SHAPES,
+    FwdBwd,
+    MiB,
+    configured,
+    make_inputs,
+    master_weight,
+    timed,
+)
 
-from fused_loss import fused_linear_cross_entropy  # noqa: E402  (bench_fused_loss set the path)
-
-MIB = 2**20
-ORDERS = ("forward", "pass1_back", "pass2_back")
+from fused_loss import fused as fl  # noqa: E402  (bench_fused_loss set the path)
+from fused_loss import fused_linear_cross_entropy  # noqa: E402
 
 
 def cases(knobs, chunks):
@@ -37,18 +43,18 @@ def cases(knobs, chunks):
     out = []
     for prefix, over in settings:
         for vocab in (50304, 50257) if not over else (50257,):
-            for order in ORDERS:
+            for order in fl.ORDERS:
                 label = f"{prefix}bf16 w, {order}, vocab_size {vocab}"
                 out.append((label, dict(over, order=order), None, vocab, False))
             label = f"{prefix}fp32 master w (single read), vocab_size {vocab}"
             out.append((label, over, None, vocab, True))
     if chunks:  # budgets that give 18 chunks (bf16 w), 13 and 12 (fp32 w) at this shape
-        for order in ORDERS[1:]:
+        for order in fl.ORDERS[1:]:
             label = f"bf16 w, {order}, 18 chunks, vocab_size 50257"
-            out.append((label, dict(order=order), 332 * MIB, 50257, False))
+            out.append((label, dict(order=order), 332 * MiB, 50257, False))
         for mib, k in ((256, 13), (288, 12)):
             label = f"fp32 master w, {k} chunks, vocab_size 50257"
-            out.append((label, {}, mib * MIB, 50257, True))
+            out.append((label, {}, mib * MiB, 50257, True))
     return out
 
 
@@ -63,20 +69,10 @@ def main():
     w32 = w.float()
 
     def fwd_bwd(weight, vocab, master):
-        xg, wg = x.detach().requires_grad_(), weight.detach().requires_grad_()
-
         def fn(a, b, c):
             return fused_linear_cross_entropy(a, b, c, vocab_size=vocab)
 
-        fn = master_weight(fn) if master else fn
-
-        def run(keep_grads=True):
-            xg.grad = wg.grad = None
-            fn(xg, wg, t).backward()
-            if not keep_grads:
-                xg.grad = wg.grad = None
-
-        return run
+        return FwdBwd(master_weight(fn) if master else fn, x, weight, t)
 
     rows, peaks = {}, {}
     for _ in range(args.repeats):
@@ -86,12 +82,13 @@ def main():
                 if label not in peaks:  # peak above the inputs, as bench_fused_loss measures it
                     torch.cuda.synchronize()
                     base = torch.cuda.memory_allocated()
-                    run(keep_grads=False)
+                    run()
+                    run.clear()
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     run()
                     torch.cuda.synchronize()
-                    peaks[label] = (torch.cuda.max_memory_allocated() - base) / MIB
+                    peaks[label] = (torch.cuda.max_memory_allocated() - base) / MiB
                 rows.setdefault(label, []).append(timed(run, 10, hide_host=True))
     print("| case | GPU ms per repeat | peak MiB |")
     print("|---|---|---|")

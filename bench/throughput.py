@@ -116,11 +116,9 @@ def step_stats(log_path, warmup):
     steps = [r for r in recs if "ms" in r and r["step"] >= warmup]
     ms = statistics.median(r["ms"] for r in steps)
     mfu = statistics.median(r["mfu"] for r in steps) if steps[0].get("mfu") else None
-    losses = [r["loss"] for r in recs if "loss" in r]  # the first and the last: a broken or
-    first_last = dict(loss_first=losses[0], loss_last=losses[-1])  # diverging run shows here
-    return dict(
-        ms=ms, tok_per_s=statistics.median(r["tok_per_s"] for r in steps), mfu=mfu, **first_last
-    )
+    losses = [r["loss"] for r in recs if "loss" in r]  # a wrong or diverging run shows here
+    tok_per_s = statistics.median(r["tok_per_s"] for r in steps)
+    return dict(ms=ms, tok_per_s=tok_per_s, mfu=mfu, loss_first=losses[0], loss_last=losses[-1])
 
 
 def max_batch_candidates(runs, impl, capacity_gib=None):
