@@ -12,6 +12,9 @@ compiled), joined by ":":
   separate   x and y as two separate contiguous tensors instead of overlapping views
   flash      scaled_dot_product_attention limited to the flash kernel (default: cuDNN first)
   budget=F   torch._functorch.config.activation_memory_budget = F for this compile
+  nosplit    torch._inductor.config.split_reductions = False for this compile
+  nodrop     the model's Dropout(p=0) modules replaced by nn.Identity
+  fp32       no autocast: fp32 matmuls (eager: the most exact result at hand)
 The reference is eager mode with the same loss. Printed per variant: the loss and its distance
 to the reference, the gradient norm, and the parameter whose gradient is furthest from the
 reference's (relative L2 error). Eager variants show how far a legitimate change (another
@@ -35,11 +38,12 @@ def parse_variant(text):
     mode, *words = text.split(":")
     if mode not in ("eager", "compiled"):
         raise SystemExit(f"variant {text!r}: starts with eager or compiled")
-    opts = dict(impl="fused", separate=False, flash=False, budget=None)
+    opts = dict(impl="fused", budget=None)
+    opts.update({w: False for w in ("separate", "flash", "nosplit", "nodrop", "fp32")})
     for w in words:
         if w in ("torch", "fused"):
             opts["impl"] = w
-        elif w in ("separate", "flash"):
+        elif w in opts:
             opts[w] = True
         elif w.startswith("budget="):
             opts["budget"] = float(w.split("=", 1)[1])
@@ -48,13 +52,18 @@ def parse_variant(text):
     return mode == "compiled", opts
 
 
-def step(fn, model, x, y):
+def step(fn, model, x, y, autocast=True):
     """One forward + backward under bf16 autocast: (loss, {name: grad}), grads left in place."""
     model.zero_grad(set_to_none=True)
-    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
         loss = fn(x, y)
     loss.backward()
     return loss.detach().float(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def set_submodule(model, name, module):
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, module)
 
 
 def grad_norm(grads):
@@ -65,7 +74,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="1558M")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--layers", type=int, default=None, help="default: the preset's; 0 allowed")
+    ap.add_argument("--n_embd", type=int, default=None)
+    ap.add_argument("--n_head", type=int, default=None)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--variants", default="eager:flash,compiled,compiled:torch")
     ap.add_argument("--seed", type=int, default=1337)
@@ -76,17 +87,22 @@ def main():
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
     over = dict(block_size=args.seq)
-    if args.layers:
-        over["n_layer"] = args.layers
+    over.update({k: getattr(args, k) for k in ("n_embd", "n_head") if getattr(args, k)})
+    if args.layers is not None:
+        over["n_layer"] = max(args.layers, 1)
     with torch.device(args.device):
         model = GPT(GPTConfig.from_preset(args.preset, **over))
+    if args.layers == 0:  # embeddings, final LayerNorm and loss only
+        model.transformer.h = torch.nn.ModuleList()
     buf = torch.randint(
         0, model.config.vocab_size, (args.batch * args.seq + 1,), device=args.device
     )
     views = buf[:-1].view(args.batch, -1), buf[1:].view(args.batch, -1)  # as the data loader
     copies = tuple(t.clone() for t in views)
+    dropouts = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout)}
     print(
-        f"{args.preset} layers {model.config.n_layer} B {args.batch} T {args.seq} | torch "
+        f"{args.preset} layers {len(model.transformer.h)} width {model.config.n_embd} heads "
+        f"{model.config.n_head} B {args.batch} T {args.seq} | torch "
         f"{torch.__version__} | {args.device}",
         flush=True,
     )
@@ -115,10 +131,17 @@ def main():
             settings.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION]))
         if o["budget"] is not None:
             settings.enter_context(functorch_config.patch(activation_memory_budget=o["budget"]))
+        if o["nosplit"]:
+            import torch._inductor.config as inductor_config
+
+            settings.enter_context(inductor_config.patch(split_reductions=False))
+        for n, m in dropouts.items():  # put back, or swapped for Identity
+            set_submodule(model, n, torch.nn.Identity() if o["nodrop"] else m)
         t0 = time.perf_counter()
         with settings:
             fn = torch.compile(model) if compiled else model
-            loss, grads = step(fn, model, *(copies if o["separate"] else views))
+            xy = copies if o["separate"] else views
+            loss, grads = step(fn, model, *xy, autocast=not o["fp32"])
         secs = time.perf_counter() - t0
         ref_loss, ref_grads = refs[o["impl"]]
         errs = {
