@@ -15,6 +15,7 @@ compiled), joined by ":":
   nosplit    torch._inductor.config.split_reductions = False for this compile
   nodrop     the model's Dropout(p=0) modules replaced by nn.Identity
   fp32       no autocast: fp32 matmuls (eager: the most exact result at hand)
+  i.KEY=VAL  torch._inductor.config.KEY = VAL (a Python literal) for this compile
 The reference is eager mode with the same loss. Printed per variant: the loss and its distance
 to the reference, the gradient norm, and the parameter whose gradient is furthest from the
 reference's (relative L2 error). Eager variants show how far a legitimate change (another
@@ -22,6 +23,7 @@ attention kernel) moves them: a compiled variant far beyond that computes someth
 """
 
 import argparse
+import ast
 import contextlib
 import os
 import sys
@@ -38,13 +40,16 @@ def parse_variant(text):
     mode, *words = text.split(":")
     if mode not in ("eager", "compiled"):
         raise SystemExit(f"variant {text!r}: starts with eager or compiled")
-    opts = dict(impl="fused", budget=None)
+    opts = dict(impl="fused", budget=None, inductor={})
     opts.update({w: False for w in ("separate", "flash", "nosplit", "nodrop", "fp32")})
     for w in words:
         if w in ("torch", "fused"):
             opts["impl"] = w
         elif w in opts:
             opts[w] = True
+        elif w.startswith("i.") and "=" in w:
+            key, val = w[2:].split("=", 1)
+            opts["inductor"][key] = ast.literal_eval(val)
         elif w.startswith("budget="):
             opts["budget"] = float(w.split("=", 1)[1])
         else:
@@ -131,10 +136,11 @@ def main():
             settings.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION]))
         if o["budget"] is not None:
             settings.enter_context(functorch_config.patch(activation_memory_budget=o["budget"]))
-        if o["nosplit"]:
+        if o["nosplit"] or o["inductor"]:
             import torch._inductor.config as inductor_config
 
-            settings.enter_context(inductor_config.patch(split_reductions=False))
+            patch = dict(o["inductor"], **({"split_reductions": False} if o["nosplit"] else {}))
+            settings.enter_context(inductor_config.patch(**patch))
         for n, m in dropouts.items():  # put back, or swapped for Identity
             set_submodule(model, n, torch.nn.Identity() if o["nodrop"] else m)
         t0 = time.perf_counter()
