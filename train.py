@@ -95,6 +95,9 @@ class TrainConfig:
     activation_memory_budget: float = 1.0
     # Inductor tunes its generated kernels' block sizes by coordinate descent while compiling
     coordinate_descent_tuning: bool = False
+    # Inductor's buffer reuse in compiled graphs: "all" (its default), "no_inplace" (no kernel
+    # writes its output over its input: inplace_buffers off), "none" (also allow_buffer_reuse off)
+    buffer_reuse: str = "all"
     seed: int = 1337
 
 
@@ -103,6 +106,11 @@ PRESET_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padde
 MODEL_KEYS = PRESET_KEYS + ("dropout", "bias", "loss_impl")
 
 
+BUFFER_REUSE = {  # buffer_reuse -> torch._inductor.config patch
+    "all": {},
+    "no_inplace": dict(inplace_buffers=False),
+    "none": dict(inplace_buffers=False, allow_buffer_reuse=False),
+}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -212,6 +220,10 @@ def _check_ranges(cfg):
             "activation_memory_budget < 1 with dropout > 0: the compiled backward may recompute "
             "dropout with a fresh mask and silently get wrong gradients (pytorch issue #190758); "
             "use one or the other"
+        )
+    if cfg.buffer_reuse not in BUFFER_REUSE:
+        raise ConfigError(
+            f"config key 'buffer_reuse': one of {tuple(BUFFER_REUSE)}, not {cfg.buffer_reuse!r}"
         )
     if cfg.compile_mode not in COMPILE_MODES:
         raise ConfigError(
@@ -537,6 +549,7 @@ def main(argv=None):
             budget = dict(activation_memory_budget=cfg.activation_memory_budget)
             compile_settings.enter_context(functorch_config.patch(**budget))
             tuning = dict(coordinate_descent_tuning=cfg.coordinate_descent_tuning)
+            tuning.update(BUFFER_REUSE[cfg.buffer_reuse])
             compile_settings.enter_context(inductor_config.patch(**tuning))
         model = torch.compile(raw_model, mode=cfg.compile_mode) if use_compile else raw_model
         train_model = model

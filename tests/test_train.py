@@ -251,32 +251,33 @@ def test_hellaswag_logged_with_val_loss(tiny_args, tmp_path):
 
 
 def test_compile_settings_hold_for_the_run_only(tiny_args, tmp_path, monkeypatch):
-    """activation_memory_budget / coordinate_descent_tuning reach Inductor while the run compiles
-    (compilation is lazy: first step, first eval) and are restored when main returns."""
+    """activation_memory_budget / coordinate_descent_tuning / buffer_reuse reach Inductor while
+    the run compiles (compilation is lazy: first step, first eval) and are restored after main."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
+
+    def settings():
+        return (
+            functorch_config.activation_memory_budget,
+            inductor_config.coordinate_descent_tuning,
+            inductor_config.inplace_buffers,
+            inductor_config.allow_buffer_reuse,
+        )
 
     seen = []
 
     def fake_compile(model, mode=None):  # records the settings instead of compiling on CPU
-        seen.append(
-            (
-                functorch_config.activation_memory_budget,
-                inductor_config.coordinate_descent_tuning,
-                mode,
-            )
-        )
+        seen.append(settings() + (mode,))
         return model
 
     monkeypatch.setattr(train.torch, "compile", fake_compile)
-    before = (functorch_config.activation_memory_budget, inductor_config.coordinate_descent_tuning)
+    before = settings()
+    assert before[2:] == (True, True)  # Inductor's defaults, so the runs below change them
     args = tiny_args + [f"--out_dir={tmp_path}", "--max_steps=1", "--eval_interval=0"]
-    train.main(
-        args
-        + ["--compile=True", "--activation_memory_budget=0.5", "--coordinate_descent_tuning=True"]
-    )
-    assert seen == [(0.5, True, "default")]
-    assert (
-        functorch_config.activation_memory_budget,
-        inductor_config.coordinate_descent_tuning,
-    ) == before
+    args += ["--compile=True", "--activation_memory_budget=0.5", "--coordinate_descent_tuning=True"]
+    train.main(args + ["--buffer_reuse=none"])
+    assert seen == [(0.5, True, False, False, "default")]
+    assert settings() == before
+    train.main(args + [f"--out_dir={tmp_path}/2", "--buffer_reuse=no_inplace"])
+    assert seen[1] == (0.5, True, False, True, "default")
+    assert settings() == before
