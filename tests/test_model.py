@@ -436,33 +436,3 @@ def test_gpu_compiled_training_step_matches_eager(loss_impl):
     loss.backward()
     torch.testing.assert_close(loss, eager, rtol=2e-2, atol=2e-2)
     assert torch.count_nonzero(model.transformer.wte.weight.grad[V:]) == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("loss_impl", ["torch", "fused"])
-def test_gpu_compiled_xl_width_step_matches_eager(loss_impl):
-    """GPT-2 XL's width (1600, 25 heads) and vocabulary, 4 layers, fp32 weights under bf16
-    autocast as the trainer runs it: the compiled step's loss and gradient norm match eager
-    mode's. (A full 1558M run compiled with the default settings once computed a wrong first
-    loss on an H200, 11.1171 against 11.1460 in eager mode: bench/RESULTS.md, run 22.)"""
-    torch.manual_seed(3)
-    cfg = GPTConfig.from_preset("gpt2-xl", n_layer=4, block_size=256, loss_impl=loss_impl)
-    model = GPT(cfg).cuda()
-    idx = torch.randint(0, cfg.vocab_size, (8, 257), device="cuda")
-    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-
-    def step(fn):
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = fn(x, y)
-        loss.backward()
-        norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()])
-        )
-        return loss.detach(), norm
-
-    eager = step(model)
-    compiled = step(torch.compile(model))
-    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-3, atol=0)
-    torch.testing.assert_close(compiled[1], eager[1], rtol=5e-3, atol=0)
