@@ -136,7 +136,10 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.update(layer, k, v)  # (B, nh, pos + T, hs): every key so far
         # training and prefill (pos = 0): causal over T; decoding one token: it sees every key
         dropout_p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=T > 1)
+        # without a cache always causal (T == 1 too: one query, one key), so that no SymBool
+        # reaches is_causal when a compiled model meets a second shape (dynamic shapes)
+        causal = cache is None or T > 1
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -222,8 +225,9 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence length {idx.size(1)} exceeds block_size={self.config.block_size}"
             )
-        # CPU only: on CUDA this check would synchronise the host with the GPU every step
-        if idx.device.type == "cpu" and idx.numel():
+        # CPU and eager only: on CUDA this check would synchronise the host with the GPU every
+        # step, and under torch.compile its data-dependent branch would break the graph
+        if idx.device.type == "cpu" and idx.numel() and not torch.compiler.is_compiling():
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= self.config.vocab_size:
                 bad = lo if lo < 0 else hi

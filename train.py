@@ -97,9 +97,10 @@ class TrainConfig:
     coordinate_descent_tuning: bool = False
     # Inductor's buffer reuse in compiled graphs: "all" (its default), "no_inplace" (no kernel
     # writes its output over its input: inplace_buffers off), "none" (also allow_buffer_reuse off).
-    # "no_inplace": with in-place buffers, torch 2.11's compiled GPT-2 774M and 1558M (2+ layers)
-    # compute a wrong loss and gradients (first loss 11.1155 against eager's 11.1472 at 1558M; H200,
-    # bench/RESULTS.md runs 24-27); 124M and 350M are unaffected; no_inplace costs no time there
+    # "no_inplace": with in-place buffers, torch 2.11 compiles GPT-2 774M and 1558M (2+ layers)
+    # into a step with a wrong loss and gradients (1558M: first loss 11.1155, eager 11.1472; the
+    # same with the torch loss); 124M and 350M compile right. Cost: none measured (1558M 49.1K
+    # tok/s against 48.9K with the faulty graph; 124M 0.998x). H200, bench/RESULTS.md runs 24-28.
     buffer_reuse: str = "no_inplace"
     seed: int = 1337
 

@@ -6,9 +6,8 @@ dataset = "data/cache/edufineweb100B"
 model = "gpt2-xl"  # 48 layers, 25 heads, 1600 wide
 batch_size = 8  # per GPU; an estimate for 80 GB without activation checkpointing, not measured
 # torch.compile recomputes cheap activations in the backward: on one H200 (batch 16) 47.9 GiB
-# instead of 63.7 at 0.97x the speed, and its losses matched eager mode's, while the default
-# (1.0) computed a wrong first loss and diverged (bench/RESULTS.md, session 13)
-activation_memory_budget = 0.9
+# instead of 63.7, 48.5K tok/s against 49.1K (bench/RESULTS.md, runs 27-28)
+activation_memory_budget = 0.95
 total_batch_size = 1048576  # 2**20 tokens per optimizer step
 max_steps = 32000  # x 1,048,576 = 33.5B tokens
 learning_rate = 6e-4

@@ -422,6 +422,17 @@ def test_gpu_bf16_generation_and_loss():
     assert int(out.max()) < V
 
 
+def test_compiled_model_takes_a_second_shape():
+    """A compiled model that meets a new (B, T) recompiles with dynamic shapes; that graph must
+    trace in full (it once failed: is_causal got a SymBool) and match eager mode."""
+    model = tiny(seed=5)
+    torch._dynamo.reset()  # a fresh start: the second shape below is what makes sizes dynamic
+    compiled = torch.compile(model, fullgraph=True)
+    for shape in [(4, 64), (2, 48), (3, 17)]:
+        idx = torch.randint(0, V, shape)
+        torch.testing.assert_close(compiled(idx, idx), model(idx, idx), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("loss_impl", ["torch", "fused"])
