@@ -4,10 +4,12 @@
         [--variants eager:flash,compiled,compiled:torch,compiled:separate,compiled:flash]
 
 Written for the 1558M run whose compiled first loss was 11.1171 against eager mode's 11.1460
-(bench/RESULTS.md, run 22). The model (fp32 weights, bf16 autocast, as train.py runs it) takes
-one step on one batch of random tokens: x and y are two views of one (B*T + 1) buffer, as the
-data loader gives them. Each variant is a comma-free list of words after its mode (eager or
-compiled), joined by ":":
+(bench/RESULTS.md, run 22); it traced that to Inductor's in-place buffers (runs 24-27), which
+train.py now turns off. Compiled variants use Inductor's defaults unless they say otherwise
+("trainer": train.py's compile settings). The model (fp32 weights, bf16 autocast, as train.py
+runs it) takes one step on one batch of random tokens: x and y are two views of one (B*T + 1)
+buffer, as the data loader gives them. Each variant is a comma-free list of words after its
+mode (eager or compiled), joined by ":":
   torch      the torch loss (materialised logits) instead of the fused one
   separate   x and y as two separate contiguous tensors instead of overlapping views
   flash      scaled_dot_product_attention limited to the flash kernel (default: cuDNN first)
@@ -16,6 +18,7 @@ compiled), joined by ":":
   nodrop     the model's Dropout(p=0) modules replaced by nn.Identity
   fp32       no autocast: fp32 matmuls (eager: the most exact result at hand)
   i.KEY=VAL  torch._inductor.config.KEY = VAL (a Python literal) for this compile
+  trainer    train.py's default compile settings (train.compiler_settings) for this compile
 The reference is eager mode with the same loss. Printed per variant: the loss and its distance
 to the reference, the gradient norm, and the parameter whose gradient is furthest from the
 reference's (relative L2 error). Eager variants show how far a legitimate change (another
@@ -41,7 +44,8 @@ def parse_variant(text):
     if mode not in ("eager", "compiled"):
         raise SystemExit(f"variant {text!r}: starts with eager or compiled")
     opts = dict(impl="fused", budget=None, inductor={})
-    opts.update({w: False for w in ("separate", "flash", "nosplit", "nodrop", "fp32")})
+    words_on = ("separate", "flash", "nosplit", "nodrop", "fp32", "trainer")
+    opts.update({w: False for w in words_on})
     for w in words:
         if w in ("torch", "fused"):
             opts["impl"] = w
@@ -141,6 +145,10 @@ def main():
 
             patch = dict(o["inductor"], **({"split_reductions": False} if o["nosplit"] else {}))
             settings.enter_context(inductor_config.patch(**patch))
+        if o["trainer"]:
+            import train
+
+            settings.enter_context(train.compiler_settings(train.TrainConfig()))
         for n, m in dropouts.items():  # put back, or swapped for Identity
             set_submodule(model, n, torch.nn.Identity() if o["nodrop"] else m)
         t0 = time.perf_counter()
