@@ -6,16 +6,16 @@
 
 Each run is a fresh process calling train.main (compiled model, bf16 autocast, fused AdamW, one
 micro-batch per step: total batch = B * 1024) on a shard of uniform random tokens. Reported per
-run: median step time and tok/s over the steps after --warmup, the MFU train.py logs, the
-peak GPU memory allocated, and the first and last step's loss. Runs of one model share the seed
-and the data, so their first losses agree to ~1e-4 whatever the loss or compile settings (1558M:
-11.1460 in eager mode); one that does not computed something else. --profile runs one more
-(fused) training, profiles its steps 10-12 (torch profiler) and prints the top kernels by CUDA
-time per step. --max-batch auto tries the largest 124M micro-batch that the B = 32 and 64 runs
-predict to fit, per impl (or the impl:B list given), and reports whether it did. Each
---train-args value (extra train.py arguments; an empty one is the plain run) makes a variant of
-every run, compared within one call of the script. Writes DIR/throughput.json and copies each
-run's log.jsonl into DIR.
+run: median step time and tok/s over the steps after --warmup, the MFU train.py logs, the peak
+GPU memory allocated, and the first and last step's loss. Runs of one model and batch share the
+seed and the data, so their first losses agree to ~1e-4 whatever the loss or compile settings
+(1558M: 11.1460 in eager mode); one that does not computed something else, and a warning says
+so. --profile runs one more (fused) training, profiles its steps 10-12 (torch profiler) and
+prints the top kernels by CUDA time per step. --max-batch auto tries the largest 124M
+micro-batch that the B = 32 and 64 runs predict to fit, per impl (or the impl:B list given), and
+reports whether it did. Each --train-args value (extra train.py arguments; an empty one is the
+plain run) makes a variant of every run, compared within one call of the script. Writes
+DIR/throughput.json and copies each run's log.jsonl into DIR.
 """
 
 import argparse
@@ -121,6 +121,21 @@ def step_stats(log_path, warmup):
     return dict(ms=ms, tok_per_s=tok_per_s, mfu=mfu, loss_first=losses[0], loss_last=losses[-1])
 
 
+def first_loss_outliers(runs, tol=1e-3):
+    """Runs whose step-0 loss is more than tol from the median of the runs with the same model and
+    micro-batch (same seed, same tokens: any loss or compile setting should agree to ~1e-4; the
+    faulty compiled 1558M graph was 0.03 off, bench/RESULTS.md run 22)."""
+    groups = {}
+    for r in runs:
+        if r.get("rc") == 0 and "loss_first" in r:
+            groups.setdefault((r["model"], r["batch"]), []).append(r)
+    out = []
+    for group in groups.values():
+        mid = statistics.median(r["loss_first"] for r in group)
+        out += [r for r in group if len(group) > 1 and abs(r["loss_first"] - mid) > tol]
+    return out
+
+
 def max_batch_candidates(runs, impl, capacity_gib=None):
     """124M micro-batches to try, largest first: peak memory is linear in the batch, so the
     B = 32 and 64 runs predict where it runs out; try 95 % and 85 % of that, multiples of 8."""
@@ -224,6 +239,11 @@ def main():
         print(
             f"{row} {r['ms']:.1f} | {r['tok_per_s']:,.0f} | {mfu} | {r['peak_gib']:.2f} | "
             f"{r['loss_first']:.4f}, {r['loss_last']:.4f} |"
+        )
+    for r in first_loss_outliers(results["runs"]):
+        print(
+            f"WARNING: {r['model']} b{r['batch']} {r['impl']} {r.get('train_args', '')!r}: first "
+            f"loss {r['loss_first']:.4f} differs from the other runs': it computed something else"
         )
     prof = results["profile"]
     if prof and prof.get("profile"):

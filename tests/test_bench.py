@@ -1,0 +1,38 @@
+"""The benchmark scripts' own arithmetic (no GPU): step statistics and the first-loss check."""
+
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import throughput  # noqa: E402
+
+
+def run(model, batch, loss_first, rc=0, impl="fused"):
+    return dict(model=model, batch=batch, impl=impl, rc=rc, loss_first=loss_first)
+
+
+def test_first_loss_outliers_flags_only_the_odd_run_within_its_group():
+    runs = [
+        run("1558M", 16, 11.14596),
+        run("1558M", 16, 11.14593, impl="torch"),
+        run("1558M", 16, 11.11713),  # the faulty compiled graph of run 22
+        run("124M", 32, 10.97365),
+        run("124M", 64, 10.95012),  # another batch: other tokens, another first loss
+        run("124M", 32, 99.0, rc=1),  # failed runs have no loss to compare
+    ]
+    assert throughput.first_loss_outliers(runs) == [runs[2]]
+    assert throughput.first_loss_outliers(runs[:2] + runs[3:]) == []
+
+
+def test_step_stats_medians_after_warmup(tmp_path):
+    log = tmp_path / "log.jsonl"
+    recs = [dict(step=0, loss=11.0, ms=9000.0, tok_per_s=10.0, mfu=0.01)]
+    recs += [
+        dict(step=s, loss=10.0 - s, ms=100.0 + s, tok_per_s=1000.0 - s, mfu=0.4) for s in (1, 2, 3)
+    ]
+    recs.append(dict(step=3, val_loss=9.5))  # eval records carry no timing
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    st = throughput.step_stats(str(log), warmup=1)
+    assert st == dict(ms=102.0, tok_per_s=998.0, mfu=0.4, loss_first=11.0, loss_last=7.0)
