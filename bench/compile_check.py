@@ -44,13 +44,15 @@ def parse_variant(text):
     if mode not in ("eager", "compiled"):
         raise SystemExit(f"variant {text!r}: starts with eager or compiled")
     opts = dict(impl="fused", budget=None, inductor={})
-    words_on = ("separate", "flash", "nosplit", "nodrop", "fp32", "trainer")
+    words_on = ("separate", "flash", "nodrop", "fp32", "trainer")
     opts.update({w: False for w in words_on})
     for w in words:
         if w in ("torch", "fused"):
             opts["impl"] = w
         elif w in opts:
             opts[w] = True
+        elif w == "nosplit":  # shorthand for i.split_reductions=False
+            opts["inductor"]["split_reductions"] = False
         elif w.startswith("i.") and "=" in w:
             key, val = w[2:].split("=", 1)
             opts["inductor"][key] = ast.literal_eval(val)
@@ -140,11 +142,10 @@ def main():
             settings.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION]))
         if o["budget"] is not None:
             settings.enter_context(functorch_config.patch(activation_memory_budget=o["budget"]))
-        if o["nosplit"] or o["inductor"]:
+        if o["inductor"]:
             import torch._inductor.config as inductor_config
 
-            patch = dict(o["inductor"], **({"split_reductions": False} if o["nosplit"] else {}))
-            settings.enter_context(inductor_config.patch(**patch))
+            settings.enter_context(inductor_config.patch(**o["inductor"]))
         if o["trainer"]:
             import train
 

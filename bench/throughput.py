@@ -130,9 +130,9 @@ def first_loss_outliers(runs, tol=1e-3):
         if r.get("rc") == 0 and "loss_first" in r:
             groups.setdefault((r["model"], r["batch"]), []).append(r)
     out = []
-    for group in groups.values():
+    for group in (g for g in groups.values() if len(g) > 1):
         mid = statistics.median(r["loss_first"] for r in group)
-        out += [r for r in group if len(group) > 1 and abs(r["loss_first"] - mid) > tol]
+        out += [r for r in group if abs(r["loss_first"] - mid) > tol]
     return out
 
 
