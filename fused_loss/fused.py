@@ -253,32 +253,34 @@ def _(x, w, y, grad_rows, ignore_index, vocab_size):
     return x.new_empty(x.shape), w.new_empty(w.shape)
 
 
-@torch.library.custom_op("fused_loss::scale_grads", mutates_args=())
-def _scale_grads(
-    dx: torch.Tensor, dw: torch.Tensor, g: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx * g, dw * g) for a scalar g, each product formed in fp32 and rounded once."""
+@torch.library.custom_op("fused_loss::scale_grads_", mutates_args=("dx", "dw"))
+def _scale_grads_(dx: torch.Tensor, dw: torch.Tensor, g: torch.Tensor) -> None:
+    """dx *= g, dw *= g in place for a scalar g, each product formed in fp32 and rounded once.
+
+    In place, so the backward holds one copy of the gradients, not two. The op bumps dx's and dw's
+    version counters: a second backward through the same graph (retain_graph) gets autograd's
+    "modified by an inplace operation" error instead of gradients scaled twice.
+    """
     g = g.to(torch.float32).reshape(1)
-    outs = []
     for t in (dx, dw):
-        out = torch.empty_like(t)
         block = 4096
         kernels._scale_kernel[(triton.cdiv(t.numel(), block),)](
-            t, g, out, t.numel(), BLOCK=block, UPCAST=t.device.type != "cuda"
+            t, g, t, t.numel(), BLOCK=block, UPCAST=t.device.type != "cuda"
         )
-        outs.append(out)
-    return outs[0], outs[1]
 
 
-@_scale_grads.register_fake
+@_scale_grads_.register_fake
 def _(dx, dw, g):
-    return torch.empty_like(dx), torch.empty_like(dw)
+    return None
 
 
 def _setup_context(ctx, inputs, output):
     x, w, y, ignore_index, vocab_size, reduction, want_grad = inputs
     _, dx, dw = output
     ctx.reduction, ctx.ignore_index, ctx.vocab_size = reduction, ignore_index, vocab_size
+    # dx and dw are outputs only so that backward can take them; nothing downstream uses them, and
+    # materialised zero gradients for them would be a (N, D) and a (V, D) buffer for nothing
+    ctx.set_materialize_grads(False)
     if reduction == "none":
         ctx.save_for_backward(x, w, y)
     else:
@@ -286,6 +288,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_loss, _grad_dx, _grad_dw):
+    if grad_loss is None:  # gradients are not materialised: none reached the loss
+        return None, None, None, None, None, None, None
     if ctx.reduction == "none":
         x, w, y = ctx.saved_tensors
         dx, dw = _lce_backward_rows(
@@ -298,7 +302,7 @@ def _backward(ctx, grad_loss, _grad_dx, _grad_dw):
                 "fused_linear_cross_entropy: forward ran without gradients; "
                 "call it with grad enabled and inputs that require grad"
             )
-        dx, dw = _scale_grads(dx, dw, grad_loss)
+        _scale_grads_(dx, dw, grad_loss)  # the saved tensors become the gradients
     return dx, dw, None, None, None, None, None
 
 

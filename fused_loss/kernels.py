@@ -244,7 +244,8 @@ def _row_scale_kernel(
 
 @triton.jit
 def _scale_kernel(src_ptr, g_ptr, dst_ptr, numel, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
-    """dst = src * g, g a 1-element fp32 tensor; the product is formed in fp32, rounded once."""
+    """dst = src * g, g a 1-element fp32 tensor; the product is formed in fp32, rounded once.
+    dst may be src (each element is read and written by the same program)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     g = tl.load(g_ptr)

@@ -288,6 +288,21 @@ def test_no_grad_forward_and_leading_dims():
 
 
 @needs_kernels
+def test_second_backward_through_the_graph_raises():
+    """The backward scales the saved gradients in place: a second backward through the same graph
+    (retain_graph) must be refused by autograd's version check, not return g^2-scaled grads."""
+    x, w, t = _make(16, 16, 32, 32, torch.float32, "cpu", seed=7)
+    x.requires_grad_()
+    w.requires_grad_()
+    loss = fused_linear_cross_entropy(x, w, t) * 3.0
+    loss.backward(retain_graph=True)
+    ref = _run(linear_cross_entropy_reference, x, w, t, torch.tensor(3.0))
+    torch.testing.assert_close(x.grad, ref[1], rtol=1e-4, atol=1e-6)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@needs_kernels
 def test_torch_compile_traces_the_custom_op():
     x, w, t = _make(32, 16, 48, 40, torch.float32, "cpu", seed=6)
 
