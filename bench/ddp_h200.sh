@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # DDP on the GPUs of one host (issue 7): the real train.py, 124M, micro-batch 32, total batch
-# NGPU x 32K tokens, on random tokens (data/cache/random; made here if missing).
-#   NGPU=2 [ONE_GPU=0] bash bench/ddp_h200.sh LOGDIR [skip-one | one-only]
-# 1. one GPU with NGPU-fold gradient accumulation (the reference; skipped with skip-one when it
+# TOTAL tokens per step (default NGPU x B x T), on random tokens (data/cache/random; made here if
+# missing).
+#   NGPU=2 [ONE_GPU=0 TOTAL=.. STEPS=30 RESUME=1] bash bench/ddp_h200.sh LOGDIR [skip-one | one-only]
+# 1. one GPU with NGPU-fold more gradient accumulation (the reference; skipped with skip-one when it
 #    ran already), 2. NGPU GPUs through torchrun: same data order, so the loss curves must agree,
 #    3. an NGPU run with checkpoints every 10 steps killed (SIGKILL) after step 15, then resumed:
-#    it must continue the curve of run 2. Then bench/ddp_compare.py compares them.
+#    it must continue the curve of run 2 (RESUME=0 skips it). Then bench/ddp_compare.py compares them.
 # Rehearsal on CPU (gloo, ~50 s on 2 cores): MODEL_ARGS="--n_layer=2 --n_head=2
 #   --n_embd=64 --block_size=64 --device=cpu" T=64 B=4 NGPU=2 bash bench/ddp_h200.sh /tmp/ddp
 set -uo pipefail
@@ -13,13 +14,15 @@ LOG=${1:-out/ddp}
 NGPU=${NGPU:-2}
 B=${B:-32}
 T=${T:-1024}
+TOTAL=${TOTAL:-$((NGPU * B * T))}
+STEPS=${STEPS:-30}
 read -r -a MODEL <<< "${MODEL_ARGS:---model=gpt2}"
 mkdir -p "$LOG" out/ddp
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python -c "import sys; sys.path.insert(0, 'bench'); import throughput as t
 t.random_dataset('data/cache/random', 1 << 24)"
 ARGS=("${MODEL[@]}" --dataset=data/cache/random --batch_size="$B"
-      --total_batch_size=$((NGPU * B * T)) --max_steps=30 --warmup_steps=5 --eval_interval=0
+      --total_batch_size="$TOTAL" --max_steps="$STEPS" --warmup_steps=5 --eval_interval=0
       --val_tokens=$((NGPU * B * T)) --sample_interval=0 --keep_last=2)
 TR=(torchrun --standalone --nproc_per_node="$NGPU")
 if [ "${2:-}" != skip-one ]; then
@@ -32,6 +35,7 @@ fi
 rm -rf out/ddp/multi out/ddp/resume
 "${TR[@]}" train.py "${ARGS[@]}" --ckpt_interval=0 --out_dir=out/ddp/multi > "$LOG/multi.log" 2>&1
 cp out/ddp/multi/log.jsonl "$LOG/multi.jsonl"
+if [ "${RESUME:-1}" = 0 ]; then python bench/ddp_compare.py "$LOG"; exit 0; fi
 "${TR[@]}" train.py "${ARGS[@]}" --ckpt_interval=10 --out_dir=out/ddp/resume \
     > "$LOG/resume_a.log" 2>&1 &
 pid=$!
