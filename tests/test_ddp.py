@@ -75,3 +75,21 @@ def test_ddp_sigterm_to_torchrun_saves_then_resumes_on_one_process(tiny_args, tm
     train.main(args + [f"--max_steps={step + 2}", "--resume"])
     losses, _ = read_log(out)
     assert sorted(losses) == list(range(step + 2))
+
+
+def test_check_compiled_loss_agrees_across_ranks():
+    """Under DDP the compile check takes the largest gap over ranks, so every rank stops
+    together (here one gloo rank: the all-reduce path runs; the decision is the same)."""
+    import torch
+    import torch.distributed as dist
+
+    import train
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    try:
+        train.check_compiled_loss(torch.tensor(2.5), torch.tensor(2.5005), ddp=True)
+        with pytest.raises(train.CompileMismatch, match="compiled 2.600000, eager 2.500000"):
+            train.check_compiled_loss(torch.tensor(2.6), torch.tensor(2.5), ddp=True)
+    finally:
+        dist.destroy_process_group()

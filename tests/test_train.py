@@ -283,6 +283,41 @@ def test_compile_settings_hold_for_the_run_only(tiny_args, tmp_path, monkeypatch
     assert settings() == before
 
 
+class _Miscompiled(torch.nn.Module):
+    """Stands in for a compiled model whose graph is wrong: the right loss plus `shift`."""
+
+    def __init__(self, model, shift):
+        super().__init__()
+        self.model, self.shift = model, shift
+
+    def forward(self, x, y):
+        return self.model(x, y) + self.shift
+
+
+@pytest.mark.parametrize("shift", [0.0, 1e-3, 1e-2, float("nan")])
+def test_check_compile_stops_a_wrong_graph_before_the_update(
+    tiny_args, tmp_path, monkeypatch, shift
+):
+    """At the first step the compiled loss is compared with eager mode's: within
+    COMPILE_CHECK_TOL the run goes on; beyond it (or NaN) it stops with CompileMismatch before
+    the optimizer touches the weights, and nothing is saved."""
+    monkeypatch.setattr(train.torch, "compile", lambda model, mode=None: _Miscompiled(model, shift))
+    out = tmp_path / "out"
+    args = tiny_args + [f"--out_dir={out}", "--max_steps=2", "--eval_interval=0", "--compile=True"]
+    steps = []
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: steps.append(1))
+    if abs(shift) <= train.COMPILE_CHECK_TOL:
+        train.main(args)
+        assert len(steps) == 2
+        return
+    with pytest.raises(train.CompileMismatch, match="differs from eager mode's"):
+        train.main(args)
+    assert steps == [] and not any(out.glob("ckpt_*.pt"))
+    if shift == shift:  # a NaN loss unchecked stops at the non-finite check instead
+        train.main(args + ["--check_compile=False", f"--out_dir={tmp_path}/unchecked"])
+        assert len(steps) == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("loss_impl", ["torch", "fused"])
