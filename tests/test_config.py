@@ -71,6 +71,7 @@ def test_preset_sets_shape_and_explicit_keys_win():
         (["--activation_memory_budget=1.5"], "activation_memory_budget"),
         (["--activation_memory_budget=0.9", "--dropout=0.1"], "dropout"),
         (["--buffer_reuse=some"], "buffer_reuse"),
+        (["--ddp_compile=both"], "ddp_compile"),
         (["--model=gpt9"], "model"),
     ],
 )

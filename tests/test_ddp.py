@@ -50,6 +50,31 @@ def test_ddp_matches_single_process_accumulation(tiny_args, tmp_path):
         torch.testing.assert_close(ckpt["model"][k], v, rtol=1e-4, atol=1e-5)
 
 
+def test_ddp_compiled_as_one_module_matches_single_process(tiny_args, tmp_path):
+    """--ddp_compile=ddp (DDP wrapped first, then compiled: Dynamo splits the graph at the
+    gradient buckets) trains like one uncompiled process with twice the accumulation; 2 micro-steps
+    per rank, so no_sync() on the compiled module is used too. Inductor's CPU backend here; it
+    reorders fp32 sums, hence the looser tolerance than above."""
+    args = tiny_args + ["--max_steps=4", "--eval_interval=2", "--ckpt_interval=0"]
+    args += ["--total_batch_size=512"]
+    single, multi = tmp_path / "single", tmp_path / "ddp"
+    train.main(args + [f"--out_dir={single}"])
+    extra = ["--compile=True", "--ddp_compile=ddp", f"--out_dir={multi}"]
+    res = subprocess.run(
+        torchrun_2(*args, *extra), cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "grad_accum 2 = 512" in out and "Traceback" not in out
+    a, a_val = read_log(single)
+    b, b_val = read_log(multi)
+    assert sorted(b) == list(range(4)) and sorted(b_val) == [0, 2, 4]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-4), step
+    for step in a_val:
+        assert b_val[step] == pytest.approx(a_val[step], rel=1e-4), step
+
+
 def test_ddp_sigterm_to_torchrun_saves_then_resumes_on_one_process(tiny_args, tmp_path):
     """torchrun forwards SIGTERM to both workers; they agree on a step, rank 0 saves, both exit.
     The checkpoint then resumes in a single process (the data position carries over)."""
