@@ -106,7 +106,8 @@ class TrainConfig:
     # eager mode's (one extra forward without gradients) and stop with an error if they differ
     # by more than COMPILE_CHECK_TOL: the guard against graphs compiled wrongly like the one
     # buffer_reuse works around, whose cause is not known (bench/RESULTS.md, session 15). Not
-    # done with dropout > 0, where the two forwards would draw different masks.
+    # done with dropout > 0, where the two forwards would draw different masks. The first
+    # validation is checked the same way; a wrong validation graph is replaced by eager mode.
     check_compile: bool = True
     # DDP with torch.compile: "model" compiles the model, then wraps it in DDP (as nanoGPT does:
     # the compiled backward hands every gradient over at its end, so the all-reduce starts
@@ -256,22 +257,21 @@ class CompileMismatch(RuntimeError):
     pass
 
 
-def check_compiled_loss(compiled, eager, ddp):
-    """Raise CompileMismatch on every rank if any rank's compiled loss (0-dim tensor) is off its
-    eager loss on the same batch by more than COMPILE_CHECK_TOL."""
+def compiled_loss_mismatch(compiled, eager, ddp, what):
+    """None if every rank's compiled loss (0-dim tensor) is within COMPILE_CHECK_TOL of its eager
+    loss on the same batch, else the message saying how far off (the same on every rank)."""
     pair = torch.stack([compiled.detach().float(), eager.detach().float()])
     gap = (pair[0] - pair[1]).abs().reshape(1)
     if ddp:
         dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    if gap.item() <= COMPILE_CHECK_TOL:  # NaN is a mismatch too
+        return None
     compiled, eager = pair.tolist()
-    if not gap.item() <= COMPILE_CHECK_TOL:  # NaN fails too
-        raise CompileMismatch(
-            f"the compiled model's loss on the first batch differs from eager mode's by "
-            f"{gap.item():.2e} nats (here: compiled {compiled:.6f}, eager {eager:.6f}; allowed "
-            f"{COMPILE_CHECK_TOL:g}): torch.compile has produced a wrong graph for this model. "
-            "Try --buffer_reuse=none, another --activation_memory_budget, or --compile=False "
-            "(bench/compile_check.py narrows it down); --check_compile=False skips this check"
-        )
+    return (
+        f"the compiled model's loss on the {what} differs from eager mode's by "
+        f"{gap.item():.2e} nats (here: compiled {compiled:.6f}, eager {eager:.6f}; allowed "
+        f"{COMPILE_CHECK_TOL:g}): torch.compile has produced a wrong graph for this model"
+    )
 
 
 @contextlib.contextmanager
@@ -649,9 +649,13 @@ def main(argv=None):
                 if run is not None:
                     run.log({k: v for k, v in rec.items() if v is not None}, step=rec["step"])
 
+        # the first evaluation checks its (no-grad) graph too; a wrong one is dropped for eager
+        eval_with = {"model": model, "check": use_compile and cfg.check_compile}
+
         def evaluate():
-            model.eval()
-            total, count = torch.zeros((), device=device), 0
+            m = eval_with["model"]
+            m.eval()
+            total, count, eager = torch.zeros((), device=device), 0, None
             batches = iter_val_batches(
                 val_glob,
                 cfg.batch_size,
@@ -663,9 +667,19 @@ def main(argv=None):
             )
             with torch.no_grad(), autocast:
                 for x, y in batches:
-                    total += model(x, y)
+                    loss = m(x, y)
+                    if eval_with["check"] and count == 0:  # raw_model is in eval mode with m
+                        first, eager = loss.clone(), raw_model(x, y)  # clone: CUDA-graph outputs
+                    total += loss
                     count += 1
-            model.train()
+            m.train()
+            if eager is not None:
+                eval_with["check"] = False
+                wrong = compiled_loss_mismatch(first, eager, ddp, "first validation batch")
+                if wrong:
+                    print0(f"warning: {wrong}; validation runs in eager mode from now on")
+                    eval_with["model"] = raw_model
+                    return evaluate()
             stats = torch.stack([total, torch.tensor(float(count), device=device)])
             if ddp:
                 dist.all_reduce(stats)  # every rank has the same number of batches
@@ -780,8 +794,14 @@ def main(argv=None):
                 loss.backward()
                 loss_sum += loss.detach()
             if check_pending:  # before the update: a wrong graph must not touch the weights
-                check_compiled_loss(first_loss, eager_loss, ddp)
                 check_pending = False
+                wrong = compiled_loss_mismatch(first_loss, eager_loss, ddp, "first training batch")
+                if wrong:
+                    raise CompileMismatch(
+                        f"{wrong}. Try --buffer_reuse=none, another --activation_memory_budget, "
+                        "or --compile=False (bench/compile_check.py narrows it down); "
+                        "--check_compile=False skips this check"
+                    )
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
             norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
             optimizer.step()

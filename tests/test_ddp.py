@@ -102,19 +102,18 @@ def test_ddp_sigterm_to_torchrun_saves_then_resumes_on_one_process(tiny_args, tm
     assert sorted(losses) == list(range(step + 2))
 
 
-def test_check_compiled_loss_agrees_across_ranks():
-    """Under DDP the compile check takes the largest gap over ranks, so every rank stops
-    together (here one gloo rank: the all-reduce path runs; the decision is the same)."""
-    import torch
+def test_compiled_loss_check_agrees_across_ranks():
+    """Under DDP the compile check takes the largest gap over ranks, so every rank decides the
+    same (here one gloo rank: the all-reduce path runs; the decision is the same)."""
     import torch.distributed as dist
-
-    import train
 
     store = dist.HashStore()
     dist.init_process_group("gloo", rank=0, world_size=1, store=store)
     try:
-        train.check_compiled_loss(torch.tensor(2.5), torch.tensor(2.5005), ddp=True)
-        with pytest.raises(train.CompileMismatch, match="compiled 2.600000, eager 2.500000"):
-            train.check_compiled_loss(torch.tensor(2.6), torch.tensor(2.5), ddp=True)
+        check = train.compiled_loss_mismatch
+        assert check(torch.tensor(2.5), torch.tensor(2.5005), True, "batch") is None
+        wrong = check(torch.tensor(2.6), torch.tensor(2.5), True, "batch")
+        assert "compiled 2.600000, eager 2.500000" in wrong and "1.00e-01 nats" in wrong
+        assert check(torch.tensor(float("nan")), torch.tensor(2.5), True, "batch") is not None
     finally:
         dist.destroy_process_group()

@@ -284,14 +284,16 @@ def test_compile_settings_hold_for_the_run_only(tiny_args, tmp_path, monkeypatch
 
 
 class _Miscompiled(torch.nn.Module):
-    """Stands in for a compiled model whose graph is wrong: the right loss plus `shift`."""
+    """Stands in for a compiled model whose graph is wrong: the right loss plus `shift`, in
+    training mode, in eval mode, or both (`modes`)."""
 
-    def __init__(self, model, shift):
+    def __init__(self, model, shift, modes=("train", "eval")):
         super().__init__()
-        self.model, self.shift = model, shift
+        self.model, self.shift, self.modes = model, shift, modes
 
     def forward(self, x, y):
-        return self.model(x, y) + self.shift
+        wrong = ("train" if self.training else "eval") in self.modes
+        return self.model(x, y) + (self.shift if wrong else 0.0)
 
 
 @pytest.mark.parametrize("shift", [0.0, 1e-3, 1e-2, float("nan")])
@@ -310,12 +312,26 @@ def test_check_compile_stops_a_wrong_graph_before_the_update(
         train.main(args)
         assert len(steps) == 2
         return
-    with pytest.raises(train.CompileMismatch, match="differs from eager mode's"):
+    with pytest.raises(train.CompileMismatch, match="first training batch differs from eager"):
         train.main(args)
     assert steps == [] and not any(out.glob("ckpt_*.pt"))
     if shift == shift:  # a NaN loss unchecked stops at the non-finite check instead
         train.main(args + ["--check_compile=False", f"--out_dir={tmp_path}/unchecked"])
         assert len(steps) == 2
+
+
+def test_check_compile_drops_a_wrong_validation_graph(tiny_args, tmp_path, monkeypatch, capsys):
+    """A wrong no-grad (validation) graph does not stop the run: it warns and validates in
+    eager mode from then on, so the logged val losses are the eager ones."""
+    shifted = lambda model, mode=None: _Miscompiled(model, 0.5, modes=("eval",))  # noqa: E731
+    args = tiny_args + ["--max_steps=4", "--eval_interval=2"]
+    train.main(args + [f"--out_dir={tmp_path}/eager"])
+    monkeypatch.setattr(train.torch, "compile", shifted)
+    train.main(args + [f"--out_dir={tmp_path}/compiled", "--compile=True"])
+    assert "first validation batch differs from eager mode's by 5.00e-01" in capsys.readouterr().out
+    ref, ref_val = read_log(tmp_path / "eager")
+    got, got_val = read_log(tmp_path / "compiled")
+    assert got == ref and got_val == ref_val and sorted(got_val) == [0, 2, 4]
 
 
 @pytest.mark.gpu
