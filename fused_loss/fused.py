@@ -75,6 +75,21 @@ def chunk_rows(N, V, elt_size, acc_bytes=0, multiple=CHUNK_MULTIPLE, min_rows=No
     return max(multiple, min(n, triton.cdiv(N, multiple) * multiple))
 
 
+def accumulator_parts(V, cast_bytes, buffer_bytes, max_parts=8):
+    """Row ranges of the fp32 dw accumulator, allocated apart and cast to dw's dtype one by one.
+
+    cast_bytes: dw in its own dtype (0 when dw is the fp32 accumulator itself: no cast).
+    The cast after the last chunk needs the fp32 accumulator and the cast at once (V * D * 6
+    bytes at bf16). When the cast is bigger than the (n, V) buffer of the chunk loop (1558M:
+    153.5 MiB against 98), that moment is the call's peak. In k parts, each no bigger than the
+    buffer once cast, cast and freed in turn and the casts then joined, it never exceeds the
+    loop's peak (the fp32 parts + one cast part; then the casts + their join, V * D * 4 bytes).
+    """
+    k = min(max_parts, V, -(-cast_bytes // buffer_bytes)) if cast_bytes > buffer_bytes else 1
+    edges = [V * i // k for i in range(k + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
 def _matmul_fp32(out, a, b, accumulate):
     """out (fp32) = a @ b, or += when accumulate; a, b in the compute dtype, fp32 accumulation.
 
@@ -151,10 +166,12 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
 
     losses = torch.empty(N, device=dev, dtype=torch.float32)
     buf = torch.empty((n, V), device=dev, dtype=x.dtype)  # z, then G (or E) of one chunk
-    dx, dw = x.new_empty(0), x.new_empty(0)
+    dx, dw, accs = x.new_empty(0), x.new_empty(0), []
+    cast_bytes = V * D * dw_dtype.itemsize if acc_bytes else 0
+    parts = accumulator_parts(V, cast_bytes, n * V * x.element_size())
     if want_grad:
         dx = torch.empty_like(x)
-        dw = torch.empty((V, D), device=dev, dtype=torch.float32)
+        accs = [torch.empty((b - a, D), device=dev, dtype=torch.float32) for a, b in parts]
     if single:
         f = torch.empty(n, device=dev, dtype=torch.float32)  # row scales of a chunk
         if want_grad:
@@ -187,10 +204,14 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
             xs = xs_scaled[:rows]
         else:  # dx = G @ w, dw += G.T @ x
             torch.mm(z, w, out=dxs)
-        _matmul_fp32(dw, z.t(), xs, accumulate=i > 0)
+        for (a, b), acc in zip(parts, accs, strict=True):
+            _matmul_fp32(acc, z[:, a:b].t(), xs, accumulate=i > 0)
     del buf, z, args  # free the buffer before the cast allocates dw in its dtype
-    if want_grad and dw_dtype != torch.float32:
-        dw = dw.to(dw_dtype)
+    if want_grad:
+        casts = []
+        while accs:  # cast each part, then free its fp32 accumulator
+            casts.append(accs.pop(0).to(dw_dtype))
+        dw = casts[0] if len(casts) == 1 else torch.cat(casts)
     return losses, dx, dw
 
 

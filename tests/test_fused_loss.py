@@ -287,6 +287,41 @@ def test_no_grad_forward_and_leading_dims():
     assert _rel(loss.view(-1), ref) < 1e-5
 
 
+def test_accumulator_parts():
+    """Parts exactly when dw's cast would outgrow the chunk buffer: 1558M 2, 124M 1, 256k 3."""
+    V = 50304
+    assert fl.accumulator_parts(V, V * 1600 * 2, 1024 * V * 2) == [(0, 25152), (25152, V)]
+    assert fl.accumulator_parts(V, V * 768 * 2, 1725 * V * 2) == [(0, V)]
+    assert fl.accumulator_parts(V, 0, 1024 * V * 2) == [(0, V)]  # fp32 dw: no cast
+    V = 256000  # 1125 MiB cast against a 500 MiB buffer: 3 parts of <= 375 MiB
+    assert fl.accumulator_parts(V, V * 2304 * 2, 1024 * V * 2) == [
+        (0, 85333),
+        (85333, 170666),
+        (170666, V),
+    ]
+    assert len(fl.accumulator_parts(100, 10**9, 1)) == 8  # capped
+
+
+@needs_kernels
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_dw_accumulated_in_parts(monkeypatch, reduction):
+    """A small chunk budget (4 chunks of 13 rows) makes bf16 dw's cast 3.1x the buffer: the fp32
+    accumulator is then split in four row ranges, and the results must not change."""
+    seen = []
+
+    def parts(*args):
+        seen.append(fl_parts(*args))
+        return seen[-1]
+
+    fl_parts = fl.accumulator_parts
+    monkeypatch.setattr(fl, "EXTRA_BYTES", 0)  # chunks of the minimum, 16 rows on CPU
+    monkeypatch.setattr(fl, "accumulator_parts", parts)
+    x, w, t = _make(50, 40, 70, 65, torch.bfloat16, "cpu", ignore_frac=0.2, seed=11)
+    upstream = torch.rand(50) + 0.5 if reduction == "none" else torch.tensor(0.7)
+    _check(x, w, t, 65, reduction, upstream)
+    assert [(0, 17), (17, 35), (35, 52), (52, 70)] in seen
+
+
 @needs_kernels
 def test_second_backward_through_the_graph_raises():
     """The backward scales the saved gradients in place: a second backward through the same graph
