@@ -102,12 +102,14 @@ class TrainConfig:
     # same with the torch loss); 124M and 350M compile right. Cost: none measured (1558M 49.1K
     # tok/s against 48.9K with the faulty graph; 124M 0.998x). H200, bench/RESULTS.md runs 24-28.
     buffer_reuse: str = "no_inplace"
-    # at the run's first step, compare the compiled model's loss on the first micro-batch with
-    # eager mode's (one extra forward without gradients) and stop with an error if they differ
-    # by more than COMPILE_CHECK_TOL: the guard against graphs compiled wrongly like the one
-    # buffer_reuse works around, whose cause is not known (bench/RESULTS.md, session 15). Not
-    # done with dropout > 0, where the two forwards would draw different masks. The first
-    # validation is checked the same way; a wrong validation graph is replaced by eager mode.
+    # at the run's first step and at the step after each evaluation, compare the compiled
+    # model's loss on the first micro-batch with eager mode's (one extra forward without
+    # gradients) and stop with an error, before the update, if they differ by more than
+    # COMPILE_CHECK_TOL: the guard against graphs compiled wrongly like the one buffer_reuse
+    # works around, whose cause is not known and whose results vary from run to run
+    # (bench/RESULTS.md, session 15). Not done with dropout > 0, where the two forwards would
+    # draw different masks. Each evaluation checks its first batch the same way; a wrong
+    # validation graph is replaced by eager mode with a warning.
     check_compile: bool = True
     # DDP with torch.compile: "model" compiles the model, then wraps it in DDP (as nanoGPT does:
     # the compiled backward hands every gradient over at its end, so the all-reduce starts
@@ -649,7 +651,7 @@ def main(argv=None):
                 if run is not None:
                     run.log({k: v for k, v in rec.items() if v is not None}, step=rec["step"])
 
-        # the first evaluation checks its (no-grad) graph too; a wrong one is dropped for eager
+        # every evaluation checks its (no-grad) graph on its first batch; a wrong one is replaced
         eval_with = {"model": model, "check": use_compile and cfg.check_compile}
 
         def evaluate():
@@ -674,11 +676,10 @@ def main(argv=None):
                     count += 1
             m.train()
             if eager is not None:
-                eval_with["check"] = False
                 wrong = compiled_loss_mismatch(first, eager, ddp, "first validation batch")
                 if wrong:
                     print0(f"warning: {wrong}; validation runs in eager mode from now on")
-                    eval_with["model"] = raw_model
+                    eval_with.update(model=raw_model, check=False)
                     return evaluate()
             stats = torch.stack([total, torch.tensor(float(count), device=device)])
             if ddp:
@@ -709,8 +710,9 @@ def main(argv=None):
         stop_all = False  # stop.requested on any rank, agreed through the all-reduce below
         val_loss = None
         pending, prev_end = None, None  # the last step's _StepStats, read one step late
-        check_pending = use_compile and cfg.check_compile and cfg.dropout == 0.0
-        if use_compile and cfg.check_compile and not check_pending:
+        check_training = use_compile and cfg.check_compile and cfg.dropout == 0.0
+        check_pending = check_training  # the first step, then the step after each evaluation
+        if use_compile and cfg.check_compile and not check_training:
             print0("check_compile: skipped, dropout > 0 makes eager and compiled losses differ")
 
         def report(st, since):
@@ -769,6 +771,7 @@ def main(argv=None):
                     msg += f" | hellaswag acc_norm {hs['acc_norm']:.4f}"
                 print0(f"step {step:6d}/{cfg.max_steps} | {msg}")
                 log(rec)
+                check_pending = check_training
             if master and fresh and step > 0 and every(step, cfg.sample_interval):
                 print0(f"sample at step {step}: {sample_text(raw_model, autocast, cfg, step)!r}")
             if fresh and step > 0 and (last_step or stop_all or every(step, cfg.ckpt_interval)):
@@ -795,7 +798,8 @@ def main(argv=None):
                 loss_sum += loss.detach()
             if check_pending:  # before the update: a wrong graph must not touch the weights
                 check_pending = False
-                wrong = compiled_loss_mismatch(first_loss, eager_loss, ddp, "first training batch")
+                what = f"first training batch of step {step}"
+                wrong = compiled_loss_mismatch(first_loss, eager_loss, ddp, what)
                 if wrong:
                     raise CompileMismatch(
                         f"{wrong}. Try --buffer_reuse=none, another --activation_memory_budget, "

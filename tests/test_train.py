@@ -312,12 +312,37 @@ def test_check_compile_stops_a_wrong_graph_before_the_update(
         train.main(args)
         assert len(steps) == 2
         return
-    with pytest.raises(train.CompileMismatch, match="first training batch differs from eager"):
+    with pytest.raises(train.CompileMismatch, match="training batch of step 0 differs from eager"):
         train.main(args)
     assert steps == [] and not any(out.glob("ckpt_*.pt"))
     if shift == shift:  # a NaN loss unchecked stops at the non-finite check instead
         train.main(args + ["--check_compile=False", f"--out_dir={tmp_path}/unchecked"])
         assert len(steps) == 2
+
+
+class _GoesWrong(torch.nn.Module):
+    """A compiled model that turns wrong (+0.1) from its `after`-th training forward on."""
+
+    def __init__(self, model, after):
+        super().__init__()
+        self.model, self.after, self.calls = model, after, 0
+
+    def forward(self, x, y):
+        self.calls += self.training
+        return self.model(x, y) + (0.1 if self.training and self.calls >= self.after else 0.0)
+
+
+def test_check_compile_repeats_after_each_evaluation(tiny_args, tmp_path, monkeypatch):
+    """The training graph is checked again at the step after each evaluation: a fault that
+    appears later (from step 1's second micro-batch here) is caught at step 2, before its
+    update; steps 0 and 1 were applied."""
+    monkeypatch.setattr(train.torch, "compile", lambda model, mode=None: _GoesWrong(model, 4))
+    steps = []
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: steps.append(1))
+    args = tiny_args + [f"--out_dir={tmp_path}", "--max_steps=6", "--eval_interval=2"]
+    with pytest.raises(train.CompileMismatch, match="training batch of step 2 differs"):
+        train.main(args + ["--compile=True", "--ckpt_interval=0"])
+    assert len(steps) == 2
 
 
 def test_check_compile_drops_a_wrong_validation_graph(tiny_args, tmp_path, monkeypatch, capsys):
