@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# DDP on the GPUs of one host (issue 7): the real train.py, 124M, micro-batch 32, total batch
-# TOTAL tokens per step (default NGPU x B x T), on random tokens (data/cache/random; made here if
-# missing).
+# DDP on the GPUs of one host (issue 7): the real train.py, 124M, micro-batch B=32 (another
+# model: e.g. MODEL_ARGS="--model=gpt2-xl --activation_memory_budget=0.95" B=16; any train.py
+# setting can go there), total batch TOTAL tokens per step (default NGPU x B x T), on random
+# tokens (data/cache/random; made here if missing). The resume part needs STEPS >= 16.
 #   NGPU=2 [ONE_GPU=0 TOTAL=.. STEPS=30 RESUME=1] bash bench/ddp_h200.sh LOGDIR [skip-one | one-only]
 # 1. one GPU with NGPU-fold more gradient accumulation (the reference; skipped with skip-one when it
 #    ran already), 2. NGPU GPUs through torchrun: same data order, so the loss curves must agree,
