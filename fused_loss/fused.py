@@ -75,7 +75,7 @@ def chunk_rows(N, V, elt_size, acc_bytes=0, multiple=CHUNK_MULTIPLE, min_rows=No
     return max(multiple, min(n, triton.cdiv(N, multiple) * multiple))
 
 
-def accumulator_parts(V, cast_bytes, buffer_bytes, max_parts=8):
+def accumulator_parts(V, cast_bytes, buffer_bytes, max_parts=8, align=1):
     """Row ranges of the fp32 dw accumulator, allocated apart and cast to dw's dtype one by one.
 
     cast_bytes: dw in its own dtype (0 when dw is the fp32 accumulator itself: no cast).
@@ -84,9 +84,11 @@ def accumulator_parts(V, cast_bytes, buffer_bytes, max_parts=8):
     153.5 MiB against 98), that moment is the call's peak. In k parts, each no bigger than the
     buffer once cast, cast and freed in turn and the casts then joined, it never exceeds the
     loop's peak (the fp32 parts + one cast part; then the casts + their join, V * D * 4 bytes).
+    Part boundaries are multiples of `align` rows (CUDA: 64, so that every part's slice of the
+    buffer starts 128-byte aligned for cuBLAS).
     """
     k = min(max_parts, V, -(-cast_bytes // buffer_bytes)) if cast_bytes > buffer_bytes else 1
-    edges = [V * i // k for i in range(k + 1)]
+    edges = sorted({0, V} | {min(V, -(-(V * i // k) // align) * align) for i in range(1, k)})
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
@@ -168,7 +170,7 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     buf = torch.empty((n, V), device=dev, dtype=x.dtype)  # z, then G (or E) of one chunk
     dx, dw, accs = x.new_empty(0), x.new_empty(0), []
     cast_bytes = V * D * dw_dtype.itemsize if acc_bytes else 0
-    parts = accumulator_parts(V, cast_bytes, n * V * x.element_size())
+    parts = accumulator_parts(V, cast_bytes, n * V * x.element_size(), align=64 if cuda else 1)
     if want_grad:
         dx = torch.empty_like(x)
         accs = [torch.empty((b - a, D), device=dev, dtype=torch.float32) for a, b in parts]

@@ -300,6 +300,13 @@ def test_accumulator_parts():
         (170666, V),
     ]
     assert len(fl.accumulator_parts(100, 10**9, 1)) == 8  # capped
+    # on CUDA the boundaries are multiples of 64 rows (aligned slices for cuBLAS)
+    assert fl.accumulator_parts(V, V * 2304 * 2, 1024 * V * 2, align=64) == [
+        (0, 85376),
+        (85376, 170688),
+        (170688, V),
+    ]
+    assert fl.accumulator_parts(100, 10**9, 1, align=64) == [(0, 64), (64, 100)]
 
 
 @needs_kernels
@@ -309,8 +316,8 @@ def test_dw_accumulated_in_parts(monkeypatch, reduction):
     accumulator is then split in four row ranges, and the results must not change."""
     seen = []
 
-    def parts(*args):
-        seen.append(fl_parts(*args))
+    def parts(*args, **kw):
+        seen.append(fl_parts(*args, **kw))
         return seen[-1]
 
     fl_parts = fl.accumulator_parts
