@@ -535,6 +535,7 @@ def main(argv=None):
             print(*args, flush=True)
 
     log_file = run = None
+    finished = False  # the run reached its end on this rank (not an exception)
     old_handlers = {}
     compile_settings = contextlib.ExitStack()  # Inductor's global settings, for this run only
     try:
@@ -819,6 +820,9 @@ def main(argv=None):
                 stop_all = report(pending, prev_end) or stop_all
                 prev_end = pending.end
             pending = st
+        if ddp:  # every rank done, rank 0's last checkpoint included, before the group goes
+            dist.barrier()
+        finished = True
     except torch.OutOfMemoryError as e:
         raise torch.OutOfMemoryError(
             f"{e}\nHint: lower the micro-batch, e.g. --batch_size={max(1, cfg.batch_size // 2)}; "
@@ -832,7 +836,10 @@ def main(argv=None):
             log_file.close()
         if run is not None:
             run.finish()
-        if ddp and dist.is_initialized():
+        # NCCL only after a clean end: after an exception on one rank the others may be inside
+        # a collective, where destroying NCCL communicators can hang; torchrun then ends them.
+        # Gloo's destroy is local, and leaving its threads to interpreter exit can abort it
+        if ddp and dist.is_initialized() and (finished or device.type != "cuda"):
             dist.destroy_process_group()
 
 
