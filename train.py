@@ -12,6 +12,7 @@ Checkpoints go to out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newe
 import ast
 import contextlib
 import dataclasses
+import functools
 import glob
 import json
 import math
@@ -603,12 +604,17 @@ def main(argv=None):
             notes.append(f"--resume: no checkpoint in {cfg.out_dir!r}, starting at step 0")
         if use_compile:  # compilation is lazy (first step, first eval): patched until the end
             compile_settings.enter_context(compiler_settings(cfg))
-        device_ids = [device.index] if device.type == "cuda" else None
+        # gradients as views into DDP's all-reduce buckets: one copy of them, not two
+        wrap = functools.partial(
+            DDP,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+        )
         if ddp and use_compile and cfg.ddp_compile == "ddp":  # one compiled module for all uses
-            model = train_model = torch.compile(DDP(raw_model, device_ids), mode=cfg.compile_mode)
+            model = train_model = torch.compile(wrap(raw_model), mode=cfg.compile_mode)
         else:
             model = torch.compile(raw_model, mode=cfg.compile_mode) if use_compile else raw_model
-            train_model = DDP(model, device_ids) if ddp else model
+            train_model = wrap(model) if ddp else model
 
         # --- start-up report: enough to reproduce the run
         tokens_per_step = cfg.batch_size * T * world_size * grad_accum
