@@ -826,6 +826,9 @@ def main(argv=None):
                 stop_all = report(pending, prev_end) or stop_all
                 prev_end = pending.end
             pending = st
+        if device.type == "cuda":
+            gib = torch.cuda.max_memory_allocated(device) / 2**30
+            print0(f"peak GPU memory allocated: {gib:.2f} GiB" + (" (rank 0)" if ddp else ""))
         if ddp:  # every rank done, rank 0's last checkpoint included, before the group goes
             dist.barrier()
         finished = True

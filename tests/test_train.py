@@ -361,6 +361,22 @@ def test_check_compile_drops_a_wrong_validation_graph(tiny_args, tmp_path, monke
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_train_main_compiled_with_checks(tiny_args, tmp_path, capsys):
+    """train.main on the GPU as users run it: compiled, bf16 autocast, the fused loss, the compile
+    check at steps 0 and 3 (after the step-2 evaluation) and at each evaluation; the loss falls
+    and the peak memory is reported."""
+    args = [a for a in tiny_args if not a.startswith(("--device", "--dtype", "--compile"))]
+    args += ["--device=cuda", "--dtype=auto", "--loss_impl=fused", "--max_steps=6"]
+    args += ["--eval_interval=2", f"--out_dir={tmp_path}"]
+    train.main(args)
+    out = capsys.readouterr().out
+    assert "compile default" in out and "peak GPU memory allocated" in out
+    losses, vals = read_log(tmp_path)
+    assert sorted(vals) == [0, 2, 4, 6] and vals[6] < vals[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("loss_impl", ["torch", "fused"])
 def test_gpu_compiled_xl_width_step_matches_eager(loss_impl):
     """GPT-2 XL's width (1600, 25 heads), 2 layers, fp32 weights under bf16 autocast, compiled
