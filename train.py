@@ -658,11 +658,13 @@ def main(argv=None):
                 if run is not None:
                     run.log({k: v for k, v in rec.items() if v is not None}, step=rec["step"])
 
-        # every evaluation checks its (no-grad) graph on its first batch; a wrong one is replaced
-        eval_with = {"model": model, "check": use_compile and cfg.check_compile}
+        # every evaluation of a compiled model checks its (no-grad) graph on its first batch; a
+        # wrong one is replaced by raw_model for the rest of the run
+        eval_model = [model]
 
         def evaluate():
-            m = eval_with["model"]
+            m = eval_model[0]
+            check = cfg.check_compile and m is not raw_model
             m.eval()
             total, count, eager = torch.zeros((), device=device), 0, None
             batches = iter_val_batches(
@@ -677,7 +679,7 @@ def main(argv=None):
             with torch.no_grad(), autocast:
                 for x, y in batches:
                     loss = m(x, y)
-                    if eval_with["check"] and count == 0:  # raw_model is in eval mode with m
+                    if check and count == 0:  # raw_model is in eval mode with m
                         first, eager = loss.clone(), raw_model(x, y)  # clone: CUDA-graph outputs
                     total += loss
                     count += 1
@@ -686,7 +688,7 @@ def main(argv=None):
                 wrong = compiled_loss_mismatch(first, eager, ddp, "first validation batch")
                 if wrong:
                     print0(f"warning: {wrong}; validation runs in eager mode from now on")
-                    eval_with.update(model=raw_model, check=False)
+                    eval_model[0] = raw_model
                     return evaluate()
             stats = torch.stack([total, torch.tensor(float(count), device=device)])
             if ddp:
@@ -794,12 +796,13 @@ def main(argv=None):
             for micro in range(grad_accum):
                 x, y = loader.next_batch()
                 sync = not ddp or micro == grad_accum - 1  # all-reduce grads once per step
-                if check_pending and micro == 0:  # eager first: no activations held yet
+                checking = check_pending and micro == 0
+                if checking:  # eager first: no activations held yet
                     with torch.no_grad(), autocast:
                         eager_loss = raw_model(x, y)
                 with contextlib.nullcontext() if sync else train_model.no_sync(), autocast:
                     loss = train_model(x, y) / grad_accum
-                if check_pending and micro == 0:
+                if checking:
                     first_loss = loss.detach() * grad_accum
                 loss.backward()
                 loss_sum += loss.detach()
