@@ -107,6 +107,16 @@ def _matmul_fp32(out, a, b, accumulate):
         torch.addmm(out, a.float(), b.float(), beta=beta, out=out)
 
 
+def _accumulate_dw(accs, parts, g_t, xs, first):
+    """accs[k] = (or +=) g_t[a:b] @ xs for each row range (a, b) of dw: fp32 accumulation.
+
+    A function so that no loop variable outlives the chunk loop: one left referencing the last
+    part kept it alive through the casts (1558M: +153.5 MiB at the peak, bench/RESULTS.md run 35).
+    """
+    for (a, b), acc in zip(parts, accs, strict=True):
+        _matmul_fp32(acc, g_t[a:b], xs, accumulate=not first)
+
+
 def row_kernel_maxnreg(num_warps, per_sm):
     """Registers per thread that let per_sm programs of num_warps warps share one SM."""
     return min(255, REGS_PER_SM // (32 * num_warps * per_sm)) // 8 * 8
@@ -206,8 +216,7 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
             xs = xs_scaled[:rows]
         else:  # dx = G @ w, dw += G.T @ x
             torch.mm(z, w, out=dxs)
-        for (a, b), acc in zip(parts, accs, strict=True):
-            _matmul_fp32(acc, z[:, a:b].t(), xs, accumulate=i > 0)
+        _accumulate_dw(accs, parts, z.t(), xs, first=i == 0)
     del buf, z, args  # free the buffer before the cast allocates dw in its dtype
     if want_grad:
         casts = []

@@ -6,6 +6,8 @@ error against float64 must be no worse than PyTorch's own error at the same inpu
 that dtype, then fp32 cross-entropy) times a small factor, plus a small absolute slack.
 """
 
+import weakref
+
 import pytest
 import torch
 
@@ -320,13 +322,29 @@ def test_dw_accumulated_in_parts(monkeypatch, reduction):
         seen.append(fl_parts(*args, **kw))
         return seen[-1]
 
-    fl_parts = fl.accumulator_parts
+    # the point of the parts is memory: each fp32 part must be freed once cast, before the casts
+    # are joined (a loop variable once kept the last one alive: +153.5 MiB at 1558M)
+    refs, joins = [], []
+
+    def accumulate(accs, parts, g_t, xs, first):
+        if first:
+            refs.extend(weakref.ref(a) for a in accs)
+        return fl_accumulate(accs, parts, g_t, xs, first)
+
+    def cat(tensors, *args, **kw):
+        joins.append([r() is None for r in refs])
+        return torch_cat(tensors, *args, **kw)
+
+    fl_parts, fl_accumulate, torch_cat = fl.accumulator_parts, fl._accumulate_dw, torch.cat
     monkeypatch.setattr(fl, "EXTRA_BYTES", 0)  # chunks of the minimum, 16 rows on CPU
     monkeypatch.setattr(fl, "accumulator_parts", parts)
+    monkeypatch.setattr(fl, "_accumulate_dw", accumulate)
+    monkeypatch.setattr(torch, "cat", cat)
     x, w, t = _make(50, 40, 70, 65, torch.bfloat16, "cpu", ignore_frac=0.2, seed=11)
     upstream = torch.rand(50) + 0.5 if reduction == "none" else torch.tensor(0.7)
     _check(x, w, t, 65, reduction, upstream)
     assert [(0, 17), (17, 35), (35, 52), (52, 70)] in seen
+    assert len(refs) >= 4 and joins and all(all(j) for j in joins)  # all parts freed at joins
 
 
 @needs_kernels
