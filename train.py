@@ -116,7 +116,8 @@ class TrainConfig:
     # the compiled backward hands every gradient over at its end, so the all-reduce starts
     # after it); "ddp" wraps first and compiles the DDP module: Dynamo splits the graph at DDP's
     # gradient buckets so that each bucket's all-reduce overlaps the rest of the backward.
-    # 2 H200s with "model": 124M 1.95x, 1558M 1.77x (bench/RESULTS.md section 6)
+    # 2 H200s with "model": 124M 1.95x, 1558M 1.74x; "ddp" measured no faster at 1558M (1.744x
+    # against 1.742x in the same session; bench/RESULTS.md section 6)
     ddp_compile: str = "model"
     seed: int = 1337
 
