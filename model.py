@@ -46,6 +46,11 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linears and LayerNorms, as GPT-2
     loss_impl: str = "fused"  # "fused" -> fused_linear_cross_entropy, "torch" -> the reference
+    # Under autocast, keep the residual stream (and so its gradient) in the autocast dtype, as
+    # llm.c keeps it in bf16, instead of the fp32 that the fp32 embeddings make it (nanoGPT):
+    # half the bytes in every residual add and LayerNorm read. Matmuls, LayerNorm statistics and
+    # the loss are computed as before; no effect without autocast.
+    low_precision_residual: bool = False
 
     def __post_init__(self):
         if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.n_embd) < 1:
@@ -247,7 +252,9 @@ class GPT(nn.Module):
         if targets is not None and tuple(targets.shape) != (B, T):
             raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {(B, T)}")
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self._residual(
+            self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        )
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
@@ -262,6 +269,14 @@ class GPT(nn.Module):
             x = x[:, [-1], :]  # list index keeps the time dim
         return self.lm_head(x)[..., : self.config.vocab_size].float()
 
+    def _residual(self, x):
+        """The embeddings' sum as the residual stream starts: as it is (fp32), or in the autocast
+        dtype with low_precision_residual under autocast. The blocks' outputs are in the autocast
+        dtype already, so the stream stays in it."""
+        if self.config.low_precision_residual and torch.is_autocast_enabled(x.device.type):
+            return x.to(torch.get_autocast_dtype(x.device.type))
+        return x
+
     def _decode(self, idx, cache):
         """Run idx (B, T) at positions [cache.pos, cache.pos + T) through the blocks, storing
         their keys/values in cache; return fp32 logits (B, 1, vocab_size) of the last one."""
@@ -269,7 +284,7 @@ class GPT(nn.Module):
         if cache.pos > 0 and T > 1:  # would need a (T, pos + T) mask; generate never does this
             raise ValueError("a non-empty KV cache takes one token at a time")
         wpe = self.transformer.wpe.weight[cache.pos : cache.pos + T]  # a view: no arange, no gather
-        x = self.transformer.drop(self.transformer.wte(idx) + wpe)
+        x = self._residual(self.transformer.drop(self.transformer.wte(idx) + wpe))
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache, i)
         cache.pos += T

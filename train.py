@@ -55,6 +55,8 @@ class TrainConfig:
     dropout: float = 0.0
     bias: bool = True
     loss_impl: str = "fused"  # "fused" or "torch" (the reference that materialises logits)
+    # the residual stream in bf16 under autocast (llm.c) instead of fp32 (nanoGPT); model.py
+    low_precision_residual: bool = False
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
     batch_size: int = 8
     total_batch_size: int = 1024
@@ -124,7 +126,7 @@ class TrainConfig:
 
 # TrainConfig fields that a preset sets, and all those that make up the GPTConfig
 PRESET_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padded_vocab_size")
-MODEL_KEYS = PRESET_KEYS + ("dropout", "bias", "loss_impl")
+MODEL_KEYS = PRESET_KEYS + ("dropout", "bias", "loss_impl", "low_precision_residual")
 
 
 BUFFER_REUSE = {  # buffer_reuse -> torch._inductor.config patch
@@ -583,8 +585,10 @@ def main(argv=None):
             )
         if cfg.resume and ckpts:
             ckpt = load_checkpoint(ckpts[-1])
-            saved = ckpt["model_config"]
-            differ = [k for k, v in asdict(model_config).items() if saved.get(k) != v]
+            mine = asdict(model_config)  # keys the checkpoint predates count as their defaults
+            defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+            saved = defaults | ckpt["model_config"]
+            differ = [k for k in sorted(set(mine) | set(saved)) if mine.get(k) != saved.get(k)]
             if differ:
                 raise ConfigError(f"model config differs from {ckpts[-1]}'s in {differ}")
             raw_model.load_state_dict(ckpt["model"])

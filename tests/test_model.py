@@ -122,6 +122,32 @@ def test_padded_rows_stay_exactly_zero_under_adamw(loss_impl, vocab):
     assert not torch.equal(wte[:vocab], before)
 
 
+def test_low_precision_residual():
+    """Under autocast the flag makes every block receive the residual stream in bf16 (fp32
+    without it), the loss and gradients move only by bf16 rounding, and torch.compile traces it
+    in one graph; without autocast it changes nothing."""
+    a, b = tiny(seed=3), tiny(seed=3, low_precision_residual=True)
+    seen = {"a": set(), "b": set()}
+    for key, m in (("a", a), ("b", b)):
+        for block in m.transformer.h:
+            block.register_forward_pre_hook(lambda _, args, k=key: seen[k].add(args[0].dtype))
+    idx = torch.randint(0, V, (2, 64))
+    assert torch.equal(a(idx, idx), b(idx, idx))  # no autocast: bitwise no effect
+    seen["a"].clear(), seen["b"].clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        la, lb = a(idx, idx), b(idx, idx)
+    assert seen == {"a": {torch.float32}, "b": {torch.bfloat16}}
+    assert abs(la.item() - lb.item()) < 1e-2
+    la.backward(), lb.backward()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert pb.grad.dtype == torch.float32 and torch.isfinite(pb.grad).all()
+        assert F.cosine_similarity(pa.grad.flatten(), pb.grad.flatten(), dim=0) > 0.99
+    torch._dynamo.reset()
+    compiled = torch.compile(b, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(compiled(idx, idx), lb, rtol=1e-3, atol=1e-3)
+
+
 def test_int32_idx_is_accepted():
     model = tiny()
     idx = torch.randint(0, V, (2, 9))

@@ -151,6 +151,22 @@ def test_resume_rules(tiny_args, tmp_path):
         train.main(args)
     with pytest.raises(train.ConfigError, match="n_embd"):
         train.main(args + ["--resume", "--n_embd=64"])
+    with pytest.raises(train.ConfigError, match="low_precision_residual"):
+        train.main(args + ["--resume", "--low_precision_residual=True"])
+    # a checkpoint from before a model setting existed resumes with that setting's default;
+    # one with a setting this version does not know is refused, naming it
+    (path,) = tmp_path.glob("ckpt_*.pt")
+    ckpt = torch.load(path, weights_only=True)
+    del ckpt["model_config"]["low_precision_residual"]
+    torch.save(ckpt, path)
+    train.main(tiny_args + [f"--out_dir={tmp_path}", "--max_steps=2", "--resume"])
+    assert sorted(read_log(tmp_path)[0]) == [0, 1]
+    (path,) = [p for p in tmp_path.glob("ckpt_*.pt") if p.name.endswith("2.pt")]
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["model_config"]["rotary"] = True
+    torch.save(ckpt, path)
+    with pytest.raises(train.ConfigError, match="rotary"):
+        train.main(tiny_args + [f"--out_dir={tmp_path}", "--max_steps=3", "--resume"])
 
 
 def test_non_finite_loss_stops_without_saving(tiny_args, tmp_path, monkeypatch):
