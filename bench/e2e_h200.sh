@@ -2,7 +2,9 @@
 # End-to-end on one GPU: the real train.py on the local Wikipedia text, fused loss vs torch loss
 # from the same seed, plus a second torch seed for the seed-to-seed spread. Each run's log.jsonl
 # gives the val curve and the step times (tok/s); the wrapper prints peak GPU memory.
-#   W=dir-with-train_00.txt.xz-and-valid.txt.xz  STEPS=1000  bash bench/e2e_h200.sh RUNDIR [LOGDIR]
+#   W=dir-with-train_00.txt.xz-and-valid.txt.xz  STEPS=1000  [EXTRA="--low_precision_residual=True"] \
+#     bash bench/e2e_h200.sh RUNDIR [LOGDIR]
+# EXTRA: train.py arguments added to all three runs.
 # Checkpoints go under RUNDIR; the logs, the JSONL metrics and the samples under LOGDIR.
 # Expected: ~17.5M train tokens + 1.03M val tokens prepared; three runs of STEPS x 32,768 tokens.
 set -uo pipefail
@@ -17,11 +19,12 @@ python -m data.fineweb --from-text "$W"/train_00.txt.xz --val-from "$W"/valid.tx
     --name wiki --out-dir data/cache/wiki --no-progress 2>&1 | tail -3
 echo "data prepared in $(( $(date +%s) - t0 )) s"
 
-run() {  # name loss_impl seed
-    python - "$@" <<'PY' 2>&1 | grep -v "^  " | tee "$LOGDIR/$1.log" | grep -E "step +(1|50|100|500|999|1000)/|val|PEAK|Error|error" | head -40
+run() {  # name loss_impl seed steps outdir
+    # shellcheck disable=SC2086  # EXTRA is split into arguments on purpose
+    python - "$@" ${EXTRA:-} <<'PY' 2>&1 | grep -v "^  " | tee "$LOGDIR/$1.log" | grep -E "step +(1|50|100|500|999|1000)/|val|PEAK|Error|error" | head -40
 import sys, torch, train
 name, impl, seed, steps, outdir = sys.argv[1:6]
-train.main(["configs/wikipedia.py", f"--loss_impl='{impl}'", f"--seed={seed}",
+train.main(["configs/wikipedia.py", *sys.argv[6:], f"--loss_impl='{impl}'", f"--seed={seed}",
             f"--max_steps={steps}", "--total_batch_size=32768", "--batch_size=32",
             "--warmup_steps=100", "--eval_interval=100", "--val_tokens=262144",
             "--sample_interval=0", "--ckpt_interval=0", f"--out_dir={outdir}/{name}"])
