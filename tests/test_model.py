@@ -133,12 +133,14 @@ def test_low_precision_residual():
             block.register_forward_pre_hook(lambda _, args, k=key: seen[k].add(args[0].dtype))
     idx = torch.randint(0, V, (2, 64))
     assert torch.equal(a(idx, idx), b(idx, idx))  # no autocast: bitwise no effect
-    seen["a"].clear(), seen["b"].clear()
+    for dtypes in seen.values():
+        dtypes.clear()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         la, lb = a(idx, idx), b(idx, idx)
     assert seen == {"a": {torch.float32}, "b": {torch.bfloat16}}
     assert abs(la.item() - lb.item()) < 1e-2
-    la.backward(), lb.backward()
+    la.backward()
+    lb.backward()
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert pb.grad.dtype == torch.float32 and torch.isfinite(pb.grad).all()
         assert F.cosine_similarity(pa.grad.flatten(), pb.grad.flatten(), dim=0) > 0.99
