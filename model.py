@@ -35,6 +35,11 @@ _PRESETS = {
 _ALIASES = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
 
 
+# Settings added after checkpoints were first written, with the value those older checkpoints
+# were trained with (where it is not the current default).
+PREDATED = {"low_precision_residual": False}
+
+
 @dataclass
 class GPTConfig:
     block_size: int = 1024
@@ -49,8 +54,9 @@ class GPTConfig:
     # Under autocast, keep the residual stream (and so its gradient) in the autocast dtype, as
     # llm.c keeps it in bf16, instead of the fp32 that the fp32 embeddings make it (nanoGPT):
     # half the bytes in every residual add and LayerNorm read. Matmuls, LayerNorm statistics and
-    # the loss are computed as before; no effect without autocast.
-    low_precision_residual: bool = False
+    # the loss are computed as before; no effect without autocast. On by default since session
+    # 17 (bench/RESULTS.md runs 41-43: +4 % tok/s at 124M, -4.8 GiB at 1558M, same val loss).
+    low_precision_residual: bool = True
 
     def __post_init__(self):
         if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.n_embd) < 1:
@@ -382,7 +388,7 @@ class GPT(nn.Module):
         unknown = sorted(set(ckpt["model_config"]) - known)
         if unknown:
             raise ValueError(f"{path}: unknown model_config keys {unknown}; known: {sorted(known)}")
-        config = GPTConfig(**ckpt["model_config"])
+        config = GPTConfig(**(PREDATED | ckpt["model_config"]))
         return cls._from_state_dict(config, ckpt["model"], map_location), ckpt
 
     @classmethod
@@ -608,4 +614,4 @@ def _write_safetensors(path, tensors):
     tmp.replace(path)  # never leave a half-written file under the real name
 
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "pick_device"]
+__all__ = ["GPT", "GPTConfig", "KVCache", "PREDATED", "pick_device"]

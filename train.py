@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data import hellaswag, resolve_dataset
 from data.loader import DataLoader, iter_val_batches
 from data.tokenizer import EOT, get_tokenizer
-from model import GPT, GPTConfig, pick_device
+from model import GPT, PREDATED, GPTConfig, pick_device
 
 
 @dataclass
@@ -56,7 +56,7 @@ class TrainConfig:
     bias: bool = True
     loss_impl: str = "fused"  # "fused" or "torch" (the reference that materialises logits)
     # the residual stream in bf16 under autocast (llm.c) instead of fp32 (nanoGPT); model.py
-    low_precision_residual: bool = False
+    low_precision_residual: bool = True
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
     batch_size: int = 8
     total_batch_size: int = 1024
@@ -585,12 +585,18 @@ def main(argv=None):
             )
         if cfg.resume and ckpts:
             ckpt = load_checkpoint(ckpts[-1])
-            mine = asdict(model_config)  # keys the checkpoint predates count as their defaults
+            # keys the checkpoint predates take the value it was trained with (PREDATED), else
+            # their defaults
+            mine = asdict(model_config)
             defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-            saved = defaults | ckpt["model_config"]
+            saved = defaults | PREDATED | ckpt["model_config"]
             differ = [k for k in sorted(set(mine) | set(saved)) if mine.get(k) != saved.get(k)]
             if differ:
-                raise ConfigError(f"model config differs from {ckpts[-1]}'s in {differ}")
+                fix = " ".join(f"--{k}={saved[k]!r}" for k in differ if k in mine and k in saved)
+                raise ConfigError(
+                    f"model config differs from {ckpts[-1]}'s in {differ}"
+                    + (f"; to resume it, pass {fix}" if fix else "")
+                )
             raw_model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
             loader.load_state_dict(ckpt["loader"])  # one position for all ranks, any world size

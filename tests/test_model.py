@@ -126,7 +126,7 @@ def test_low_precision_residual():
     """Under autocast the flag makes every block receive the residual stream in bf16 (fp32
     without it), the loss and gradients move only by bf16 rounding, and torch.compile traces it
     in one graph; without autocast it changes nothing."""
-    a, b = tiny(seed=3), tiny(seed=3, low_precision_residual=True)
+    a, b = tiny(seed=3, low_precision_residual=False), tiny(seed=3)
     seen = {"a": set(), "b": set()}
     for key, m in (("a", a), ("b", b)):
         for block in m.transformer.h:
@@ -285,6 +285,21 @@ def test_from_checkpoint_file_and_newest_in_dir(tmp_path):
     torch.testing.assert_close(model(idx, idx), new(idx, idx), rtol=0, atol=0)
     model, _ = GPT.from_checkpoint(tmp_path / "ckpt_0000100.pt")
     torch.testing.assert_close(model(idx, idx), old(idx, idx), rtol=0, atol=0)
+
+
+def test_from_checkpoint_predated_settings(tmp_path):
+    """A checkpoint written before a setting existed loads with the value it was trained with
+    (model.PREDATED), not today's default; one that has the setting keeps its own value."""
+    model = tiny()
+    assert model.config.low_precision_residual is True  # today's default
+    ckpt = {"model": model.state_dict(), "model_config": asdict(model.config), "step": 0}
+    del ckpt["model_config"]["low_precision_residual"]
+    torch.save(ckpt, tmp_path / "old.pt")
+    loaded, _ = GPT.from_checkpoint(tmp_path / "old.pt")
+    assert loaded.config.low_precision_residual is False
+    save_ckpt(tmp_path / "new.pt", model)
+    loaded, _ = GPT.from_checkpoint(tmp_path / "new.pt")
+    assert loaded.config.low_precision_residual is True
 
 
 def test_from_checkpoint_errors(tmp_path):

@@ -152,21 +152,26 @@ def test_resume_rules(tiny_args, tmp_path):
     with pytest.raises(train.ConfigError, match="n_embd"):
         train.main(args + ["--resume", "--n_embd=64"])
     with pytest.raises(train.ConfigError, match="low_precision_residual"):
-        train.main(args + ["--resume", "--low_precision_residual=True"])
-    # a checkpoint from before a model setting existed resumes with that setting's default;
+        train.main(args + ["--resume", "--low_precision_residual=False"])
+    # a checkpoint from before a model setting existed was trained with the old behaviour
+    # (model.PREDATED), not today's default: resuming it needs that value, and the error says so;
     # one with a setting this version does not know is refused, naming it
     (path,) = tmp_path.glob("ckpt_*.pt")
     ckpt = torch.load(path, weights_only=True)
+    assert ckpt["model_config"]["low_precision_residual"] is True
     del ckpt["model_config"]["low_precision_residual"]
     torch.save(ckpt, path)
-    train.main(tiny_args + [f"--out_dir={tmp_path}", "--max_steps=2", "--resume"])
+    more = tiny_args + [f"--out_dir={tmp_path}", "--max_steps=2", "--resume"]
+    with pytest.raises(train.ConfigError, match="pass --low_precision_residual=False"):
+        train.main(more)
+    train.main(more + ["--low_precision_residual=False"])
     assert sorted(read_log(tmp_path)[0]) == [0, 1]
     (path,) = [p for p in tmp_path.glob("ckpt_*.pt") if p.name.endswith("2.pt")]
     ckpt = torch.load(path, weights_only=True)
     ckpt["model_config"]["rotary"] = True
     torch.save(ckpt, path)
     with pytest.raises(train.ConfigError, match="rotary"):
-        train.main(tiny_args + [f"--out_dir={tmp_path}", "--max_steps=3", "--resume"])
+        train.main(more[:-2] + ["--max_steps=3", "--resume", "--low_precision_residual=False"])
 
 
 def test_non_finite_loss_stops_without_saving(tiny_args, tmp_path, monkeypatch):
