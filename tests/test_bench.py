@@ -1,4 +1,5 @@
-"""The benchmark scripts' own arithmetic (no GPU): step statistics and the first-loss check."""
+"""The benchmark scripts' own arithmetic (no GPU): step statistics, the first-loss check, and
+bench_adamw's Triton AdamW against torch's (in the Triton interpreter, see conftest.py)."""
 
 import json
 import os
@@ -6,7 +7,10 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
+import bench_adamw  # noqa: E402
+import pytest  # noqa: E402
 import throughput  # noqa: E402
+import torch  # noqa: E402
 
 
 def run(model, batch, loss_first, rc=0, impl="fused"):
@@ -36,3 +40,27 @@ def test_step_stats_medians_after_warmup(tmp_path):
     log.write_text("".join(json.dumps(r) + "\n" for r in recs))
     st = throughput.step_stats(str(log), warmup=1)
     assert st == dict(ms=102.0, tok_per_s=998.0, mfu=0.4, loss_first=11.0, loss_last=7.0)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e2])  # the clip idle (norm ~0.07), then cutting
+def test_bench_adamw_kernel_matches_torch_clip_and_adamw(scale):
+    shapes, wds = [(37, 19), (5000,), (3,)], [0.1, 0.0, 0.0]  # ragged: partial blocks
+    gen = torch.Generator().manual_seed(0)
+    ref = [torch.randn(s, generator=gen) for s in shapes]
+    ours = [p.clone() for p in ref]
+    groups = [{"params": [p], "weight_decay": wd} for p, wd in zip(ref, wds, strict=True)]
+    b = bench_adamw
+    torch_opt = torch.optim.AdamW(groups, lr=b.LR, betas=b.BETAS, eps=b.EPS)
+    triton_opt = b.TritonAdamW(ours, wds, block=1024)
+    for _ in range(3):
+        grads = [torch.randn(s, generator=gen) * scale for s in shapes]
+        for p, q, g in zip(ref, ours, grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        norm = torch.nn.utils.clip_grad_norm_(ref, b.MAX_NORM)
+        torch_opt.step()
+        coef = b.clip_coef([q.grad for q in ours], b.MAX_NORM)
+        assert (coef < 1) == (norm > b.MAX_NORM) == (scale > 1)
+        triton_opt.step(coef)
+    for p, q, m in zip(ref, ours, triton_opt.m, strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(m, torch_opt.state[p]["exp_avg"], rtol=1e-6, atol=1e-9)
