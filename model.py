@@ -36,7 +36,7 @@ _ALIASES = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M"
 
 
 # Settings added after checkpoints were first written, with the value those older checkpoints
-# were trained with (where it is not the current default).
+# were trained with (where it is not the current default); checkpoint_settings applies them.
 PREDATED = {"low_precision_residual": False}
 
 
@@ -55,7 +55,8 @@ class GPTConfig:
     # llm.c keeps it in bf16, instead of the fp32 that the fp32 embeddings make it (nanoGPT):
     # half the bytes in every residual add and LayerNorm read. Matmuls, LayerNorm statistics and
     # the loss are computed as before; no effect without autocast. On by default since session
-    # 17 (bench/RESULTS.md runs 41-43: +4 % tok/s at 124M, -4.8 GiB at 1558M, same val loss).
+    # 17 (bench/RESULTS.md runs 41-42: +4 % tok/s at 124M, -4.8 GiB at 1558M, val loss within
+    # the seed-to-seed spread of the fp32 stream's over 1000 steps).
     low_precision_residual: bool = True
 
     def __post_init__(self):
@@ -81,6 +82,14 @@ class GPTConfig:
             raise ValueError(f"unknown preset {name!r}; choose one of {names}")
         n_layer, n_head, n_embd = _PRESETS[key]
         return cls(**{"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, **overrides})
+
+
+def checkpoint_settings(saved):
+    """A checkpoint's model_config completed: a key it predates takes the value it was trained
+    with (PREDATED), else the default. Keys GPTConfig does not know are kept for the caller to
+    name."""
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    return defaults | PREDATED | saved
 
 
 def pick_device(name="auto"):
@@ -388,7 +397,7 @@ class GPT(nn.Module):
         unknown = sorted(set(ckpt["model_config"]) - known)
         if unknown:
             raise ValueError(f"{path}: unknown model_config keys {unknown}; known: {sorted(known)}")
-        config = GPTConfig(**(PREDATED | ckpt["model_config"]))
+        config = GPTConfig(**checkpoint_settings(ckpt["model_config"]))
         return cls._from_state_dict(config, ckpt["model"], map_location), ckpt
 
     @classmethod
@@ -614,4 +623,4 @@ def _write_safetensors(path, tensors):
     tmp.replace(path)  # never leave a half-written file under the real name
 
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "PREDATED", "pick_device"]
+__all__ = ["GPT", "GPTConfig", "KVCache", "checkpoint_settings", "pick_device"]

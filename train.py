@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data import hellaswag, resolve_dataset
 from data.loader import DataLoader, iter_val_batches
 from data.tokenizer import EOT, get_tokenizer
-from model import GPT, PREDATED, GPTConfig, pick_device
+from model import GPT, GPTConfig, checkpoint_settings, pick_device
 
 
 @dataclass
@@ -607,11 +607,7 @@ def main(argv=None):
             )
         if cfg.resume and ckpts:
             ckpt = load_checkpoint(ckpts[-1])
-            # keys the checkpoint predates take the value it was trained with (PREDATED), else
-            # their defaults
-            mine = asdict(model_config)
-            defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-            saved = defaults | PREDATED | ckpt["model_config"]
+            mine, saved = asdict(model_config), checkpoint_settings(ckpt["model_config"])
             differ = [k for k in sorted(set(mine) | set(saved)) if mine.get(k) != saved.get(k)]
             if differ:
                 fix = " ".join(f"--{k}={saved[k]!r}" for k in differ if k in mine and k in saved)

@@ -292,14 +292,13 @@ def test_from_checkpoint_predated_settings(tmp_path):
     (model.PREDATED), not today's default; one that has the setting keeps its own value."""
     model = tiny()
     assert model.config.low_precision_residual is True  # today's default
-    ckpt = {"model": model.state_dict(), "model_config": asdict(model.config), "step": 0}
+    save_ckpt(tmp_path / "new.pt", model)
+    loaded, ckpt = GPT.from_checkpoint(tmp_path / "new.pt")
+    assert loaded.config.low_precision_residual is True
     del ckpt["model_config"]["low_precision_residual"]
     torch.save(ckpt, tmp_path / "old.pt")
     loaded, _ = GPT.from_checkpoint(tmp_path / "old.pt")
     assert loaded.config.low_precision_residual is False
-    save_ckpt(tmp_path / "new.pt", model)
-    loaded, _ = GPT.from_checkpoint(tmp_path / "new.pt")
-    assert loaded.config.low_precision_residual is True
 
 
 def test_from_checkpoint_errors(tmp_path):
