@@ -7,7 +7,10 @@ A 1558M step profile (bench/RESULTS.md run 43) spent 17.1 ms in fused AdamW and 
 grad-norm clipping, about twice what their bytes need at the H200's 4.8 TB/s. This times, on
 the parameter shapes of a GPT-2 preset (fp32 params, grads and moments, as train.py has them):
 
-- torch: `clip_grad_norm_` then `torch.optim.AdamW(fused=True).step()`, as train.py does;
+- torch: `clip_grad_norm_` then `torch.optim.AdamW(fused=True).step()` (train.py before
+  session 18);
+- train.py: `train.clipped_step`, the norm then the fused step with the clip factor passed as
+  its grad_scale (read in-kernel; the kernel writes the clipped grads back: 36 bytes);
 - torch adam: the fused step alone;
 - triton: the norm as torch computes it, then one Triton launch per parameter that reads the
   clip factor from device memory (no host sync) and applies it while updating: the grads are
@@ -17,7 +20,8 @@ the parameter shapes of a GPT-2 preset (fp32 params, grads and moments, as train
 
 and checks that `triton` leaves the same parameters and moments as `torch` after a few steps.
 Floor: AdamW reads p, g, m, v and writes p, m, v (28 bytes per parameter); the norm reads g
-(4 more). Exploratory: nothing in train.py uses this kernel.
+(4 more). Exploratory: nothing in train.py uses this kernel. Measured: bench/RESULTS.md
+runs 45-46.
 """
 
 import argparse
@@ -29,6 +33,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import train  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 PRESETS = ("124M", "350M", "774M", "1558M")
@@ -151,11 +156,15 @@ def time_per_tensor(preset, layers, reps, device):
         clip()
         opt.step()
 
+    def train_step():
+        train.clipped_step(opt, MAX_NORM)
+
     def triton_step():
         ours.step(clip_coef([p.grad for p in params], MAX_NORM))
 
     rows = [
-        ("torch: clip + fused AdamW (train.py)", 40, clip_step),
+        ("torch: clip_grad_norm_ + fused AdamW", 40, clip_step),
+        ("train.py: norm + fused AdamW, clip as grad_scale", 36, train_step),
         ("torch: fused AdamW alone", 28, opt.step),
         ("torch: clip alone", 12, clip),
         ("triton: norm + AdamW per tensor, clip in-kernel", 32, triton_step),

@@ -108,6 +108,7 @@ def run_child(args, profile=False, timeout=900):
             res["profile"] = json.loads(line[len("PROFILE ") :])
     if p.returncode != 0:
         res["error"] = "\n".join(out.strip().splitlines()[-4:])[-600:]
+        res["oom"] = "OutOfMemoryError" in out  # or something else that must be looked at
     return res
 
 
@@ -255,7 +256,8 @@ def main():
         for ms, n, name in prof["profile"]:
             print(f"  {ms / 3:7.2f} ms  {100 * ms / total:5.1f}%  x{n // 3:<5d} {name}")
     for r in results["max_batch"]:
-        print(f"max batch: {r['impl']} b{r['batch']} fits={r['fits']} peak={r.get('peak_gib')}")
+        why = f"peak={r.get('peak_gib')}" if r["fits"] else f"oom={r.get('oom')}"
+        print(f"max batch: {r['impl']} b{r['batch']} fits={r['fits']} {why}")
 
 
 if __name__ == "__main__":

@@ -172,3 +172,39 @@ def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
     latest = train.list_checkpoints(tmp_path)[-1]
     ckpt = train.load_checkpoint(latest)
     assert ckpt["step"] == 40 and torch.equal(ckpt["w"], torch.full((3,), 40.0))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("grad_size, max_norm", [(10.0, 1.0), (1e-4, 1.0), (10.0, math.inf)])
+def test_clipped_step_matches_clip_then_adamw(fused, grad_size, max_norm):
+    """train.clipped_step (the clip folded into the fused AdamW's grad_scale, or the plain
+    path) against a hand clip (global L2 norm, factor min(max_norm / (norm + 1e-6), 1)) and a
+    single-tensor AdamW, over 3 steps: clipping on (grads far above max_norm), off (far
+    below) and disabled (inf). Returns the norm before clipping."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(33, 17), (17,), (5, 3, 2)]
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) * grad_size for s in shapes] for _ in range(3)]
+
+    def adamw(params, **kw):
+        groups = [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:]}]
+        return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, **kw)
+
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    opt, ref_opt = adamw(ours, fused=fused), adamw(ref, foreach=False)
+    for step_grads in grads:
+        for p, q, g in zip(ours, ref, step_grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        norm = train.clipped_step(opt, max_norm)
+        ref_norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in step_grads]))
+        coef = min(max_norm / (ref_norm.item() + 1e-6), 1.0)
+        for q in ref:
+            q.grad.mul_(coef)
+        ref_opt.step()
+        assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-6)
+        for p, q in zip(ours, ref, strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)  # clipped grads
+            torch.testing.assert_close(p.data, q.data, rtol=1e-6, atol=1e-7)
+    moved = max((p.data - t).abs().max().item() for p, t in zip(ours, start, strict=True))
+    assert moved > 1e-3  # the steps did something
