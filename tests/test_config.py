@@ -174,17 +174,28 @@ def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
     assert ckpt["step"] == 40 and torch.equal(ckpt["w"], torch.full((3,), 40.0))
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("grad_size, max_norm", [(10.0, 1.0), (1e-4, 1.0), (10.0, math.inf)])
-def test_clipped_step_matches_clip_then_adamw(fused, grad_size, max_norm):
+def test_clipped_step_matches_clip_then_adamw(device, fused, grad_size, max_norm):
     """train.clipped_step (the clip folded into the fused AdamW's grad_scale, or the plain
     path) against a hand clip (global L2 norm, factor min(max_norm / (norm + 1e-6), 1)) and a
     single-tensor AdamW, over 3 steps: clipping on (grads far above max_norm), off (far
     below) and disabled (inf). Returns the norm before clipping."""
     gen = torch.Generator().manual_seed(0)
     shapes = [(33, 17), (17,), (5, 3, 2)]
-    start = [torch.randn(s, generator=gen) for s in shapes]
-    grads = [[torch.randn(s, generator=gen) * grad_size for s in shapes] for _ in range(3)]
+    start = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    steps = [[torch.randn(s, generator=gen) * grad_size for s in shapes] for _ in range(3)]
+    grads = [[g.to(device) for g in step] for step in steps]
 
     def adamw(params, **kw):
         groups = [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:]}]
