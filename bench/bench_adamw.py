@@ -157,7 +157,7 @@ def time_per_tensor(preset, layers, reps, device):
         opt.step()
 
     def train_step():
-        train.clipped_step(opt, MAX_NORM)
+        train.clipped_step(opt, params, MAX_NORM)
 
     def triton_step():
         ours.step(clip_coef([p.grad for p in params], MAX_NORM))

@@ -207,7 +207,7 @@ def test_clipped_step_matches_clip_then_adamw(device, fused, grad_size, max_norm
     for step_grads in grads:
         for p, q, g in zip(ours, ref, step_grads, strict=True):
             p.grad, q.grad = g.clone(), g.clone()
-        norm = train.clipped_step(opt, max_norm)
+        norm = train.clipped_step(opt, ours, max_norm)
         ref_norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in step_grads]))
         coef = min(max_norm / (ref_norm.item() + 1e-6), 1.0)
         for q in ref:
