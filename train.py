@@ -541,12 +541,11 @@ def clipped_step(optimizer, params, max_norm):
     (4 of 40 bytes per parameter fewer; bench/bench_adamw.py times both). The grads left behind
     are the clipped ones either way. Non-fused optimizers (CPU) take the plain path."""
     params = list(params)
-    grads = [p.grad for p in params if p.grad is not None]
     if not all(group.get("fused") for group in optimizer.param_groups):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         optimizer.step()
         return norm
-    norm = torch.nn.utils.get_total_norm(grads)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     # clip_grad_norm_ multiplies by min(max_norm / (norm + 1e-6), 1); the kernel divides by
     # the inverse (within an ulp of it; a non-finite norm poisons the step the same way)
     optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)

@@ -61,8 +61,7 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, n, lr, beta1, beta2, eps
 
 def clip_coef(grads, max_norm):
     """torch.nn.utils.clip_grad_norm_'s clamped factor, as a device scalar."""
-    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return torch.clamp(max_norm / (torch.nn.utils.get_total_norm(grads) + 1e-6), max=1.0)
 
 
 class TritonAdamW:
