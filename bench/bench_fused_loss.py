@@ -1,6 +1,7 @@
 """Linear + cross-entropy fwd+bwd: our kernel vs torch eager, torch.compile, Liger and CCE.
 
     python bench/bench_fused_loss.py [--shapes 124M,1558M,256k] [--out DIR] [--variants]
+        [--methods torch.compile,ours] [--set order=forward,per_sm=3]
 
 For each shape: x (N, D) ~ N(0, 1) bf16, w (V, D) bf16 with logits of std ~2, targets uniform over
 the vocab with 5 % ignored (-100). Every method gets the same tensors. Reports fwd+bwd and forward
@@ -224,6 +225,25 @@ def run_variant(name, x, w, t, ref, reps):
         return measure(fused_linear_cross_entropy, x, w, t, ref, reps)
 
 
+def parse_set(text, config):
+    """--set "k=v,k=v" as {k: v}, each v parsed as the type of config[k] (bools: True/False)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in config:
+            raise SystemExit(f"--set: {item!r} is not k=v with k one of {sorted(config)}")
+        kind = type(config[key])
+        if kind is bool:
+            if value not in ("True", "False"):
+                raise SystemExit(f"--set: {key} takes True or False, not {value!r}")
+            out[key] = value == "True"
+        elif kind is int:
+            out[key] = int(value)
+        else:  # strings, and options such as single_read="auto" that also take True/False
+            out[key] = {"True": True, "False": False}.get(value, value)
+    return out
+
+
 def master_weight(fn):
     """fn run as the trainer runs it: an fp32 weight under bf16 autocast (x is bf16 already)."""
 
@@ -245,11 +265,16 @@ def main():
         "--checkpoint", help="also bench on this checkpoint's hidden states (124M-real)"
     )
     ap.add_argument("--tokens", help="token shard for --checkpoint (e.g. the val shard)")
+    ap.add_argument(
+        "--set", default="", help="fused.CONFIGS['cuda'] entries for the whole run: k=v,k=v"
+    )
     args = ap.parse_args()
+    fl.CONFIGS["cuda"].update(parse_set(args.set, fl.CONFIGS["cuda"]))
     props = torch.cuda.get_device_properties(0)
     import triton
 
     info = dict(
+        configs=dict(fl.CONFIGS["cuda"]),
         gpu=props.name,
         torch=torch.__version__,
         triton=triton.__version__,
@@ -310,6 +335,8 @@ def main():
         if shape == "124M":  # the trainer's case: fp32 master weight, grads of w in fp32
             w32 = w.float()
             for name in ("torch.compile", "ours"):
+                if name not in meths or isinstance(meths[name], str):  # --methods left it out
+                    continue
                 fn = master_weight(meths[name])  # torch.compile recompiles for the fp32 weight
                 try:
                     record(shape, f"{name} (fp32 master w)", measure(fn, x, w32, t, ref, args.reps))

@@ -1,16 +1,18 @@
 """The row kernels' launch options and the chunk size, with and without padded columns: GPU time.
 
-    python bench/order_ab.py [--repeats 3] [--knobs] [--chunks]
+    python bench/order_ab.py [--repeats 3] [--knobs] [--chunks] [--compile]
 
 At the 124M shape (bench_fused_loss's inputs, targets within the real vocab) it times one fwd+bwd
 of ours with bf16 x and w for each pass order ("forward", "pass1_back", "pass2_back") at
 vocab_size 50304 (nothing masked) and 50257 (47 padded columns masked), and the fp32-master case
 (single-read kernel) at both, interleaved --repeats times, with fused.CONFIGS as they are.
 --knobs adds the masked rows with mask="kernel" and with cap_regs=False (options in fused.py).
---chunks adds rows at other buffer budgets (fused.EXTRA_BYTES): bf16 w at 18 chunks instead of
-19, the fp32 master weight at 13 and 12 chunks instead of 10. Times are medians of 10 calls in
-ms with the host's latency hidden (bench_fused_loss.timed(hide_host=True)). This is the
-measurement behind the CONFIGS defaults (order, mask, cap_regs).
+--compile adds torch.compile of the reference (all 50304 columns, bf16 and fp32 master weight)
+as the baseline in the same repeats. --chunks adds rows at other buffer budgets
+(fused.EXTRA_BYTES): bf16 w at 18 chunks instead of 19, the fp32 master weight at 13 and 12
+chunks instead of 10. Times are medians of 10 calls in ms with the host's latency hidden
+(bench_fused_loss.timed(hide_host=True)). This is the measurement behind the CONFIGS
+defaults (order, mask, cap_regs).
 """
 
 import argparse
@@ -31,7 +33,7 @@ from bench_fused_loss import (  # noqa: E402
 )
 
 from fused_loss import fused as fl  # noqa: E402  (bench_fused_loss set the path)
-from fused_loss import fused_linear_cross_entropy  # noqa: E402
+from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 
 
 def cases(knobs, chunks):
@@ -63,6 +65,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--knobs", action="store_true", help="also mask='kernel' and cap_regs=False")
     ap.add_argument("--chunks", action="store_true", help="also other buffer budgets")
+    ap.add_argument("--compile", action="store_true", help="also torch.compile of the reference")
     args = ap.parse_args()
     x, w, t = make_inputs(*SHAPES["124M"])
     t = t.clamp(max=50256)  # valid under both vocab sizes
@@ -74,11 +77,28 @@ def main():
 
         return FwdBwd(master_weight(fn) if master else fn, x, weight, t)
 
+    ref_compiled = torch.compile(linear_cross_entropy_reference)
+
+    def compiled(weight, master):
+        def fn(a, b, c):
+            return ref_compiled(a, b, c)
+
+        return FwdBwd(master_weight(fn) if master else fn, x, weight, t)
+
+    todo = cases(args.knobs, args.chunks)
+    if args.compile:  # the nanoGPT-style baseline, same inputs, in the same repeats
+        todo = [
+            (f"torch.compile, {m}", None, None, 50304, m == "fp32 master w")
+            for m in ("bf16 w", "fp32 master w")
+        ] + todo
     rows, peaks = {}, {}
     for _ in range(args.repeats):
-        for label, over, extra, vocab, master in cases(args.knobs, args.chunks):
-            with configured(extra, **over):
-                run = fwd_bwd(w32 if master else w, vocab, master)
+        for label, over, extra, vocab, master in todo:
+            with configured(extra, **(over or {})):
+                if over is None:
+                    run = compiled(w32 if master else w, master)
+                else:
+                    run = fwd_bwd(w32 if master else w, vocab, master)
                 if label not in peaks:  # peak above the inputs, as bench_fused_loss measures it
                     torch.cuda.synchronize()
                     base = torch.cuda.memory_allocated()

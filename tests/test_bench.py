@@ -1,5 +1,6 @@
-"""The benchmark scripts' own arithmetic (no GPU): step statistics, the first-loss check, and
-bench_adamw's Triton AdamW against torch's (in the Triton interpreter, see conftest.py)."""
+"""The benchmark scripts' own arithmetic (no GPU): step statistics, the first-loss check,
+bench_fused_loss's --set parsing, and bench_adamw's Triton AdamW against torch's (in the Triton
+interpreter, see conftest.py)."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import bench_adamw  # noqa: E402
+import bench_fused_loss  # noqa: E402
 import pytest  # noqa: E402
 import throughput  # noqa: E402
 import torch  # noqa: E402
@@ -64,3 +66,15 @@ def test_bench_adamw_kernel_matches_torch_clip_and_adamw(scale):
     for p, q, m in zip(ref, ours, triton_opt.m, strict=True):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(m, torch_opt.state[p]["exp_avg"], rtol=1e-6, atol=1e-9)
+
+
+def test_bench_fused_loss_set_parses_each_value_as_its_option_type():
+    config = dict(per_sm=4, cap_regs=True, order="pass1_back", single_read="auto")
+    parsed = bench_fused_loss.parse_set(
+        "per_sm=3,cap_regs=False,order=forward,single_read=True", config
+    )
+    assert parsed == dict(per_sm=3, cap_regs=False, order="forward", single_read=True)
+    assert bench_fused_loss.parse_set("", config) == {}
+    for bad in ("per_sm", "warps=8", "cap_regs=no", "per_sm=x"):
+        with pytest.raises((SystemExit, ValueError)):
+            bench_fused_loss.parse_set(bad, config)
