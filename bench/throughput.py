@@ -21,6 +21,7 @@ DIR/throughput.json and copies each run's log.jsonl into DIR.
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -109,7 +110,16 @@ def run_child(args, profile=False, timeout=900):
     if p.returncode != 0:
         res["error"] = "\n".join(out.strip().splitlines()[-4:])[-600:]
         res["oom"] = "OutOfMemoryError" in out  # or something else that must be looked at
+        if res["oom"]:
+            res["oom_detail"] = oom_detail(out)
     return res
+
+
+def oom_detail(out):
+    """The allocator's own account of an out-of-memory error: what the failing allocation asked
+    for and what was in use ("Tried to allocate ... this process has ... in use ..."), or ""."""
+    m = re.search(r"Tried to allocate [^\n]*", out)
+    return m.group(0).split(" If reserved")[0][:400] if m else ""  # without the advice
 
 
 def step_stats(log_path, warmup):
@@ -224,6 +234,8 @@ def main():
             res = dict(impl=impl, batch=b, fits=res["rc"] == 0, **res)
             results["max_batch"].append({k: v for k, v in res.items() if k != "error"})
             print(json.dumps(results["max_batch"][-1]), flush=True)
+            if not res["fits"]:  # where it failed: the last lines of the child's output
+                print(res.get("error", ""), flush=True)
             save()
             if res["fits"]:
                 break

@@ -78,3 +78,17 @@ def test_bench_fused_loss_set_parses_each_value_as_its_option_type():
     for bad in ("per_sm", "warps=8", "cap_regs=no", "per_sm=x"):
         with pytest.raises((SystemExit, ValueError)):
             bench_fused_loss.parse_set(bad, config)
+
+
+def test_throughput_keeps_the_allocators_words_on_out_of_memory():
+    out = (
+        "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 23.02 GiB. "
+        "GPU 0 has a total capacity of 139.81 GiB of which 12.50 GiB is free. Including "
+        "non-PyTorch memory, this process has 127.30 GiB memory in use. Of the allocated memory "
+        "110.20 GiB is allocated by PyTorch, and 15.10 GiB is reserved by PyTorch but "
+        "unallocated. If reserved but unallocated memory is large try setting ...\n"
+    )
+    detail = throughput.oom_detail(out)
+    assert detail.startswith("Tried to allocate 23.02 GiB") and "127.30 GiB memory in use" in detail
+    assert detail.endswith("15.10 GiB is reserved by PyTorch but unallocated.")
+    assert throughput.oom_detail("RuntimeError: something else") == ""
