@@ -80,13 +80,10 @@ def main():
     ref_compiled = torch.compile(linear_cross_entropy_reference)
 
     def compiled(weight, master):
-        def fn(a, b, c):
-            return ref_compiled(a, b, c)
-
-        return FwdBwd(master_weight(fn) if master else fn, x, weight, t)
+        return FwdBwd(master_weight(ref_compiled) if master else ref_compiled, x, weight, t)
 
     todo = cases(args.knobs, args.chunks)
-    if args.compile:  # the nanoGPT-style baseline, same inputs, in the same repeats
+    if args.compile:  # the nanoGPT-style baseline, same inputs, in the same repeats (over=None)
         todo = [
             (f"torch.compile, {m}", None, None, 50304, m == "fp32 master w")
             for m in ("bf16 w", "fp32 master w")
