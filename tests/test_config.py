@@ -190,7 +190,7 @@ def test_clipped_step_matches_clip_then_adamw(device, fused, grad_size, max_norm
     """train.clipped_step (the clip folded into the fused AdamW's grad_scale, or the plain
     path) against a hand clip (global L2 norm, factor min(max_norm / (norm + 1e-6), 1)) and a
     single-tensor AdamW, over 3 steps: clipping on (grads far above max_norm), off (far
-    below) and disabled (inf). Returns the norm before clipping."""
+    below) and disabled (inf); clipped_step's returned norm is the one before clipping."""
     gen = torch.Generator().manual_seed(0)
     shapes = [(33, 17), (17,), (5, 3, 2)]
     start = [torch.randn(s, generator=gen).to(device) for s in shapes]
