@@ -1,0 +1,94 @@
+"""GPT-2's MLP with the GELU and its gradient inside the GEMMs (cuBLASLt epilogues, as llm.c).
+
+    out = c_proj(gelu_tanh(c_fc(x)))     x (M, D), W_fc (F, D), W_proj (D, F), F = 4 D
+
+Forward, one opaque op (mlp_gelu):
+    h = x @ W_fc.T + b_fc, a = gelu_tanh(h)   one GEMM, GELU_AUX_BIAS epilogue: writes a and h
+    out = a @ W_proj.T + b_proj              cuBLAS addmm (bias epilogue)
+Backward (plain torch ops, so under torch.compile Inductor traces and fuses them, e.g. the two
+bias sums), but for the GELU gradient:
+    dh = (dout @ W_proj) * gelu_tanh'(h)     one GEMM, DGELU epilogue (dgelu_mm)
+    dx = dh @ W_fc, dW_fc = dh.T @ x, db_fc = sum_rows dh, dW_proj = dout.T @ a, db_proj = sum dout
+All in the compute dtype (bf16 under autocast: the weights are cast as F.linear would cast them),
+fp32 accumulation in every GEMM and sum. Saved for backward: x, h, a (what torch's path saves).
+What goes: the GELU forward kernel and the GELU-gradient kernel (each a full (M, F) read and
+write). The GELU is evaluated on the fp32 accumulator rather than on h rounded to bf16, so `a`
+differs from torch's in the last bit; the errors against fp64 are no larger (tests/test_mlp.py).
+H200 (bench/RESULTS.md, session 20): 0.90x torch.compile's MLP fwd+bwd at 124M, 0.91x at 1558M.
+
+mlp_cublaslt is the entry point: None where it does not apply (no CUDA, no bf16/fp16 compute
+dtype, widths not multiples of 8), and the caller runs the torch path (mlp_reference).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from fused_loss.cublaslt import EPI_DGELU, EPI_GELU_AUX_BIAS, matmul
+
+
+@torch.library.custom_op("fused_loss::dgelu_mm", mutates_args=())
+def dgelu_mm(dy: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """(dy @ w) * gelu_tanh'(h); dy (M, D), w (D, F), h (M, F), one dtype."""
+    dh = torch.empty_like(h, memory_format=torch.contiguous_format)
+    matmul(dy.contiguous(), w, dh, aux=h.contiguous(), epilogue=EPI_DGELU)
+    return dh
+
+
+@dgelu_mm.register_fake
+def _(dy, w, h):
+    return torch.empty_like(h, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("fused_loss::mlp_gelu", mutates_args=())
+def mlp_gelu(
+    x: torch.Tensor,
+    w_fc: torch.Tensor,
+    b_fc: torch.Tensor,
+    w_proj: torch.Tensor,
+    b_proj: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, h, a) of the module docstring; x (M, D) and the weights in one dtype."""
+    h = x.new_empty((x.shape[0], w_fc.shape[0]))
+    a = torch.empty_like(h)
+    matmul(x, w_fc.t(), a, bias=b_fc, aux=h, epilogue=EPI_GELU_AUX_BIAS)
+    return torch.addmm(b_proj, a, w_proj.t()), h, a
+
+
+@mlp_gelu.register_fake
+def _(x, w_fc, b_fc, w_proj, b_proj):
+    h = x.new_empty((x.shape[0], w_fc.shape[0]))
+    return x.new_empty((x.shape[0], w_proj.shape[0])), h, torch.empty_like(h)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_fc, _, w_proj, _ = inputs
+    _, h, a = output
+    ctx.save_for_backward(x, w_fc, w_proj, h, a)
+
+
+def _backward(ctx, dout, _dh, _da):
+    x, w_fc, w_proj, h, a = ctx.saved_tensors
+    dh = dgelu_mm(dout, w_proj, h)
+    return dh @ w_fc, dh.t() @ x, dh.sum(0), dout.t() @ a, dout.sum(0)
+
+
+mlp_gelu.register_autograd(_backward, setup_context=_setup_context)
+
+
+def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj):
+    """c_proj(gelu_tanh(c_fc(x))) for x (..., D) on CUDA, in bf16/fp16 or under such autocast;
+    None where the epilogues do not apply (the caller then runs mlp_reference)."""
+    if not x.is_cuda or b_fc is None or b_proj is None:
+        return None
+    dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    if dt not in (torch.bfloat16, torch.float16) or x.shape[-1] % 8 or w_fc.shape[0] % 8:
+        return None
+    shape = x.shape
+    weights = [t.to(dt) for t in (w_fc, b_fc, w_proj, b_proj)]
+    out, _, _ = mlp_gelu(x.to(dt).reshape(-1, shape[-1]), *weights)
+    return out.view(*shape[:-1], out.shape[-1])
+
+
+def mlp_reference(x, w_fc, b_fc, w_proj, b_proj):
+    """The same MLP in plain torch (nn.Linear's F.linear, GPT-2's tanh GELU)."""
+    return F.linear(F.gelu(F.linear(x, w_fc, b_fc), approximate="tanh"), w_proj, b_proj)

@@ -1,0 +1,67 @@
+"""fused_loss/mlp.py: GPT-2's MLP with the GELU in cuBLASLt epilogues (model.mlp_impl)."""
+
+import pytest
+import torch
+
+from fused_loss import cublaslt, mlp
+from model import GPT, GPTConfig
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_operand_layouts():
+    """cuBLAS is column-major: a row-major (r, c) tensor is its transpose with ld = row stride,
+    a transposed view is read with op T; anything else is refused, not misread."""
+    t = torch.empty(6, 10)
+    assert cublaslt._operand(t) == (cublaslt.OP_N, 10, 6, 10)
+    assert cublaslt._operand(t.t()) == (cublaslt.OP_T, 10, 6, 10)
+    assert cublaslt._operand(torch.empty(6, 16)[:, :10]) == (cublaslt.OP_N, 10, 6, 16)
+    with pytest.raises(ValueError, match="neither row- nor column-major"):
+        cublaslt._operand(torch.empty(6, 10, 2)[:, :, 0])
+
+
+def test_mlp_impl_is_checked_and_falls_back_on_cpu():
+    with pytest.raises(ValueError, match="mlp_impl"):
+        GPTConfig(mlp_impl="triton")
+    kw = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, padded_vocab_size=64)
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(**kw, loss_impl="torch"))
+    other = GPT(GPTConfig(**kw, loss_impl="torch", mlp_impl="cublaslt"))
+    other.load_state_dict(ref.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    assert torch.equal(other(idx, idx), ref(idx, idx))  # CPU: the torch path, bit for bit
+
+
+def _grads(fn, x, params, dout, autocast):
+    x = x.detach().requires_grad_()
+    ps = [p.detach().requires_grad_() for p in params]
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        out = fn(x, *ps)
+    out.backward(dout)
+    return [out.detach(), x.grad] + [p.grad for p in ps]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("M, D", [(256, 64), (1000, 96)])
+def test_gpu_mlp_matches_reference(M, D, compiled):
+    """Output and all five gradients against fp64, no worse than torch's own bf16 autocast path
+    (x @ W.T in bf16, GELU from the rounded pre-activation) on the same inputs, plus slack."""
+    g = torch.Generator("cuda").manual_seed(M + D)
+    x = torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16)
+    params = [torch.randn(s, device="cuda", generator=g) * 0.05 for s in ((4 * D, D), (4 * D,))]
+    params += [torch.randn(s, device="cuda", generator=g) * 0.05 for s in ((D, 4 * D), (D,))]
+    dout = (torch.randn(M, D, device="cuda", generator=g) * 1e-2).to(torch.bfloat16)
+    ref = _grads(mlp.mlp_reference, x.double(), [p.double() for p in params], dout.double(), False)
+    torch_bf16 = _grads(mlp.mlp_reference, x, params, dout, True)
+
+    ours = torch.compile(mlp.mlp_cublaslt) if compiled else mlp.mlp_cublaslt
+    got = _grads(ours, x, params, dout, True)
+    for name, o, t, r in zip(
+        ("out", "dx", "dWfc", "dbfc", "dWproj", "dbproj"), got, torch_bf16, ref, strict=True
+    ):
+        assert o.dtype == t.dtype and o.shape == t.shape, name
+        err = ((o.double() - r).norm() / r.norm()).item()
+        torch_err = ((t.double() - r).norm() / r.norm()).item()
+        assert err <= 1.2 * torch_err + 1e-3, (name, err, torch_err)
