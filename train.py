@@ -56,6 +56,7 @@ class TrainConfig:
     dropout: float = 0.0
     bias: bool = True
     loss_impl: str = "fused"  # "fused" or "torch" (the reference that materialises logits)
+    mlp_impl: str = "cublaslt"  # or "torch": the MLP's GELU in GEMM epilogues or not (model.py)
     # the residual stream in bf16 under autocast (llm.c) instead of fp32 (nanoGPT); model.py
     low_precision_residual: bool = True
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
@@ -128,6 +129,10 @@ class TrainConfig:
 # TrainConfig fields that a preset sets, and all those that make up the GPTConfig
 PRESET_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padded_vocab_size")
 MODEL_KEYS = PRESET_KEYS + ("dropout", "bias", "loss_impl", "low_precision_residual")
+# how a layer is computed, not what: a run may resume with another value (e.g. "torch" where
+# cuBLASLt is missing); every other model key must match the checkpoint's
+IMPL_KEYS = ("mlp_impl",)
+MODEL_KEYS += IMPL_KEYS
 
 
 BUFFER_REUSE = {  # buffer_reuse -> torch._inductor.config patch
@@ -631,7 +636,8 @@ def main(argv=None):
         if cfg.resume and ckpts:
             ckpt = load_checkpoint(ckpts[-1])
             mine, saved = asdict(model_config), checkpoint_settings(ckpt["model_config"])
-            differ = [k for k in sorted(set(mine) | set(saved)) if mine.get(k) != saved.get(k)]
+            keys = sorted((set(mine) | set(saved)) - set(IMPL_KEYS))
+            differ = [k for k in keys if mine.get(k) != saved.get(k)]
             if differ:
                 fix = " ".join(f"--{k}={saved[k]!r}" for k in differ if k in mine and k in saved)
                 raise ConfigError(

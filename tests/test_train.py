@@ -174,6 +174,14 @@ def test_resume_rules(tiny_args, tmp_path):
         train.main(more[:-2] + ["--max_steps=3", "--resume", "--low_precision_residual=False"])
 
 
+def test_resume_may_switch_the_mlp_impl(tiny_args, tmp_path):
+    """mlp_impl says how the MLP is computed, not what: a checkpoint resumes under either."""
+    args = tiny_args + [f"--out_dir={tmp_path}"]
+    train.main(args + ["--max_steps=1", "--mlp_impl=cublaslt"])
+    train.main(args + ["--max_steps=2", "--resume", "--mlp_impl=torch"])
+    assert sorted(read_log(tmp_path)[0]) == [0, 1]
+
+
 def test_non_finite_loss_stops_without_saving(tiny_args, tmp_path, monkeypatch):
     calls = []
 
