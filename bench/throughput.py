@@ -10,12 +10,12 @@ run: median step time and tok/s over the steps after --warmup, the MFU train.py 
 GPU memory allocated, and the first and last step's loss. Runs of one model and batch share the
 seed and the data, so their first losses agree to ~1e-4 whatever the loss or compile settings
 (1558M: 11.1460 in eager mode); one that does not computed something else, and a warning says
-so. --profile runs one more (fused) training, profiles its steps 10-12 (torch profiler) and
-prints the top kernels by CUDA time per step. --max-batch auto tries the largest 124M
-micro-batch that the B = 32 and 64 runs predict to fit, per impl (or the impl:B list given), and
-reports whether it did. Each --train-args value (extra train.py arguments; an empty one is the
-plain run) makes a variant of every run, compared within one call of the script. Writes
-DIR/throughput.json and copies each run's log.jsonl into DIR.
+so. --profile runs one more (fused) training per --train-args variant, profiles its steps
+10-12 (torch profiler) and prints the top kernels by CUDA time per step. --max-batch auto tries
+the largest 124M micro-batch that the B = 32 and 64 runs predict to fit, per impl (or the
+impl:B list given), and reports whether it did. Each --train-args value (extra train.py
+arguments; an empty one is the plain run) makes a variant of every run, compared within one call
+of the script. Writes DIR/throughput.json and copies each run's log.jsonl into DIR.
 """
 
 import argparse
@@ -189,7 +189,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     work = os.path.join(ROOT, "out", "throughput")
     dataset = random_dataset(os.path.join(ROOT, "data", "cache", "random"), 1 << 24)
-    results = dict(date=time.strftime("%Y-%m-%d"), runs=[], profile=None, max_batch=[])
+    results = dict(date=time.strftime("%Y-%m-%d"), runs=[], profiles=[], max_batch=[])
     path = os.path.join(args.out, "throughput.json")
 
     def save():
@@ -214,12 +214,14 @@ def main():
                 results["runs"].append(res)
                 print(json.dumps(res), flush=True)
                 save()
-    if args.profile:
+    for extra in (args.train_args or [""]) if args.profile else []:  # a profile per variant
         model, batch = args.profile.split(":")
         out_dir = os.path.join(work, "profile")
         subprocess.run(["rm", "-rf", out_dir])
-        res = run_child(train_args(model, int(batch), "fused", 16, dataset, out_dir), profile=True)
-        results["profile"] = dict(model=model, batch=int(batch), steps=3, **res)
+        cli = train_args(model, int(batch), "fused", 16, dataset, out_dir) + shlex.split(extra)
+        res = run_child(cli, profile=True)
+        results["profiles"].append(dict(model=model, batch=int(batch), steps=3, **res))
+        results["profiles"][-1]["train_args"] = extra
         save()
     explicit = {}
     for item in args.max_batch.split(",") if args.max_batch not in ("", "auto") else []:
@@ -258,13 +260,11 @@ def main():
             f"WARNING: {r['model']} b{r['batch']} {r['impl']} {r.get('train_args', '')!r}: first "
             f"loss {r['loss_first']:.4f} differs from the other runs': it computed something else"
         )
-    prof = results["profile"]
-    if prof and prof.get("profile"):
+    for prof in [p for p in results["profiles"] if p.get("profile")]:
         total = prof["profile_total_ms"]
         print(f"all kernels: {total / 3:.1f} ms of GPU time per step")
-        print(
-            f"top kernels, CUDA ms per step ({prof['model']} b{prof['batch']}, fused, steps 10-12)"
-        )
+        where = f"{prof['model']} b{prof['batch']}, fused, {prof['train_args']!r}, steps 10-12"
+        print(f"top kernels, CUDA ms per step ({where})")
         for ms, n, name in prof["profile"]:
             print(f"  {ms / 3:7.2f} ms  {100 * ms / total:5.1f}%  x{n // 3:<5d} {name}")
     for r in results["max_batch"]:
