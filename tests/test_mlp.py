@@ -20,6 +20,15 @@ def test_operand_layouts():
         cublaslt._operand(torch.empty(6, 10, 2)[:, :, 0])
 
 
+def test_matmul_refuses_strided_outputs():
+    """out and aux are written as contiguous (m, n): other layouts are refused before any call."""
+    a, b = torch.empty(4, 8), torch.empty(8, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        cublaslt.matmul(a, b, torch.empty(16, 4).t())
+    with pytest.raises(ValueError, match="contiguous"):
+        cublaslt.matmul(a, b, torch.empty(4, 16), aux=torch.empty(16, 4).t())
+
+
 def test_mlp_impl_is_checked_and_falls_back_on_cpu():
     with pytest.raises(ValueError, match="mlp_impl"):
         GPTConfig(mlp_impl="triton")
