@@ -11,7 +11,7 @@ Epilogues used (values from cublasLt.h):
     DGELU          out = (a @ b) * gelu_tanh'(aux)
 The first call of each shape / layout / epilogue times the heuristic's first 8 algorithms on
 the call's own operands and keeps the fastest (TUNING records the times): the heuristic's first
-pick was up to 6 % slower on GPT-2's shapes (bench/RESULTS.md, session 20).
+pick was up to 7 % slower on GPT-2's shapes (bench/RESULTS.md, session 20).
 The library is the libcublasLt that torch loaded (found by its soname), else one under the
 nvidia/ pip packages next to torch.
 """
