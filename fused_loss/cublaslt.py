@@ -12,8 +12,8 @@ Epilogues used (values from cublasLt.h):
 The first call of each shape / layout / epilogue times the heuristic's first 8 algorithms on
 the call's own operands and keeps the fastest (TUNING records the times): the heuristic's first
 pick was up to 7 % slower on GPT-2's shapes (bench/RESULTS.md, session 20).
-The library is the libcublasLt that torch loaded (found by its soname), else one under the
-nvidia/ pip packages next to torch.
+The library is the libcublasLt this process has loaded (torch's), else one found by its soname
+or under the nvidia/ pip packages next to torch.
 """
 
 import ctypes
@@ -26,15 +26,8 @@ import torch
 COMPUTE_32F = 68  # cublasComputeType_t
 DTYPES = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14}  # cudaDataType_t
 OP_N, OP_T = 0, 1
-# cublasLtMatmulDescAttributes_t
-DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER, DESC_AUX_POINTER, DESC_AUX_LD = (
-    3,
-    4,
-    7,
-    8,
-    11,
-    12,
-)
+DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8  # cublasLtMatmulDesc...
+DESC_AUX_POINTER, DESC_AUX_LD = 11, 12  # ...Attributes_t
 PREF_MAX_WORKSPACE = 1  # cublasLtMatmulPreferenceAttributes_t
 EPI_DEFAULT, EPI_GELU_AUX_BIAS, EPI_DGELU = 1, 32 | 128 | 4, 64 | 128  # cublasLtEpilogue_t
 WORKSPACE = 32 * 2**20  # bytes, what cuBLAS asks for on Hopper
@@ -53,36 +46,39 @@ class _Heuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t
     ]
 
 
+def _candidates():
+    """libcublasLt paths to try: the one this process has loaded (torch's), then by soname, then
+    any under the nvidia/ pip packages next to torch."""
+    try:
+        with open("/proc/self/maps") as f:
+            loaded = sorted({line.split()[-1] for line in f if "libcublasLt.so" in line})
+    except OSError:
+        loaded = []
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    pip = glob.glob(os.path.join(site, "nvidia", "**", "libcublasLt.so*"), recursive=True)
+    return loaded + ["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"] + sorted(pip)
+
+
 @functools.cache
 def _lib():
-    names = ["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"]
-    site = os.path.dirname(os.path.dirname(torch.__file__))
-    names += sorted(
-        glob.glob(os.path.join(site, "nvidia", "**", "libcublasLt.so*"), recursive=True)
-    )
-    for name in names:
+    vp, i32, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    pvp, u64 = ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint64
+    signatures = {
+        "cublasLtCreate": [pvp],
+        "cublasLtMatmulDescCreate": [pvp, i32, i32],
+        "cublasLtMatmulDescSetAttribute": [vp, i32, vp, sz],
+        "cublasLtMatrixLayoutCreate": [pvp, i32, u64, u64, ctypes.c_int64],
+        "cublasLtMatmulPreferenceCreate": [pvp],
+        "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
+        "cublasLtMatmulAlgoGetHeuristic": [vp] * 7
+        + [i32, ctypes.POINTER(_Heuristic), ctypes.POINTER(i32)],
+        "cublasLtMatmul": [vp] * 12 + [ctypes.POINTER(u64 * 8), vp, sz, vp],
+    }
+    for name in _candidates():
         try:
             lib = ctypes.CDLL(name)
         except OSError:
             continue
-        vp, i32, sz, pvp = (
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_size_t,
-            ctypes.POINTER(ctypes.c_void_p),
-        )
-        u64, algo_p = ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64 * 8)
-        signatures = {
-            "cublasLtCreate": [pvp],
-            "cublasLtMatmulDescCreate": [pvp, i32, i32],
-            "cublasLtMatmulDescSetAttribute": [vp, i32, vp, sz],
-            "cublasLtMatrixLayoutCreate": [pvp, i32, u64, u64, ctypes.c_int64],
-            "cublasLtMatmulPreferenceCreate": [pvp],
-            "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
-            "cublasLtMatmulAlgoGetHeuristic": [vp] * 7
-            + [i32, ctypes.POINTER(_Heuristic), ctypes.POINTER(i32)],
-            "cublasLtMatmul": [vp] * 12 + [algo_p, vp, sz, vp],
-        }
         for fn, args in signatures.items():
             getattr(lib, fn).argtypes = args
             getattr(lib, fn).restype = i32
