@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
-from fused_loss.mlp import mlp_cublaslt
+from fused_loss.mlp import mlp_cublaslt, mlp_reference
 
 # name -> (n_layer, n_head, n_embd); block size 1024, vocab 50257 for all of them.
 _PRESETS = {
@@ -181,12 +181,10 @@ class MLP(nn.Module):
         self.impl = config.mlp_impl
 
     def forward(self, x):
-        if self.impl == "cublaslt":  # None where it does not apply (CPU, fp32 matmuls)
-            w = (self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias)
-            out = mlp_cublaslt(x, *w)
-            if out is not None:
-                return self.dropout(out)
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        w = (self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias)
+        # mlp_cublaslt: None where it does not apply (CPU, fp32 matmuls)
+        out = mlp_cublaslt(x, *w) if self.impl == "cublaslt" else None
+        return self.dropout(mlp_reference(x, *w) if out is None else out)
 
 
 class Block(nn.Module):

@@ -220,8 +220,9 @@ def main():
         subprocess.run(["rm", "-rf", out_dir])
         cli = train_args(model, int(batch), "fused", 16, dataset, out_dir) + shlex.split(extra)
         res = run_child(cli, profile=True)
-        results["profiles"].append(dict(model=model, batch=int(batch), steps=3, **res))
-        results["profiles"][-1]["train_args"] = extra
+        results["profiles"].append(
+            dict(model=model, batch=int(batch), steps=3, train_args=extra, **res)
+        )
         save()
     explicit = {}
     for item in args.max_batch.split(",") if args.max_batch not in ("", "auto") else []:
