@@ -11,11 +11,12 @@ GPU memory allocated, and the first and last step's loss. Runs of one model and 
 seed and the data, so their first losses agree to ~1e-4 whatever the loss or compile settings
 (1558M: 11.1460 in eager mode); one that does not computed something else, and a warning says
 so. --profile runs one more (fused) training per --train-args variant, profiles its steps
-10-12 (torch profiler) and prints the top kernels by CUDA time per step. --max-batch auto tries
-the largest 124M micro-batch that the B = 32 and 64 runs predict to fit, per impl (or the
-impl:B list given), and reports whether it did. Each --train-args value (extra train.py
-arguments; an empty one is the plain run) makes a variant of every run, compared within one call
-of the script. Writes DIR/throughput.json and copies each run's log.jsonl into DIR.
+10-12 (torch profiler) and prints the top 25 kernels by CUDA time per step (60 in the JSON).
+--max-batch auto tries the largest 124M micro-batch that the B = 32 and 64 runs predict to
+fit, per impl (or the impl:B list given), and reports whether it did. Each --train-args value
+(extra train.py arguments; an empty one is the plain run) makes a variant of every run,
+compared within one call of the script. Writes DIR/throughput.json and copies each run's
+log.jsonl into DIR.
 """
 
 import argparse
@@ -53,7 +54,7 @@ if profile:  # steps 10-12 only: past compilation and warm-up, before the final 
         train.main(args)
     rows = sorted(((e.device_time_total, e.count, e.key) for e in prof.key_averages()
                    if e.device_time_total > 0), reverse=True)
-    print("PROFILE " + json.dumps([(us / 1000.0, n, k[:90]) for us, n, k in rows[:25]]))
+    print("PROFILE " + json.dumps([(us / 1000.0, n, k[:90]) for us, n, k in rows[:60]]))
     print(f"PROFILE_TOTAL_MS {sum(r[0] for r in rows) / 1000.0}")
 else:
     train.main(args)
@@ -266,7 +267,7 @@ def main():
         print(f"all kernels: {total / 3:.1f} ms of GPU time per step")
         where = f"{prof['model']} b{prof['batch']}, fused, {prof['train_args']!r}, steps 10-12"
         print(f"top kernels, CUDA ms per step ({where})")
-        for ms, n, name in prof["profile"]:
+        for ms, n, name in prof["profile"][:25]:  # the JSON keeps the top 60
             print(f"  {ms / 3:7.2f} ms  {100 * ms / total:5.1f}%  x{n // 3:<5d} {name}")
     for r in results["max_batch"]:
         why = f"peak={r.get('peak_gib')}" if r["fits"] else f"oom={r.get('oom')}"

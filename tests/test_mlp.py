@@ -58,8 +58,7 @@ def _grads(fn, x, params, dout, autocast, dtype=torch.bfloat16):
 def test_gpu_mlp_matches_reference(M, D, compiled, dtype):
     """Output and all five gradients against fp64, no worse than torch's own autocast path
     (x @ W.T in bf16/fp16, GELU from the rounded pre-activation) on the same inputs, plus a
-    slack of a quarter of the unit roundoff (2^-8 for bf16, 2^-11 for fp16). The fp16 cases
-    are newer than the last GPU run of this file (session 20)."""
+    slack of a quarter of the unit roundoff (2^-8 for bf16, 2^-11 for fp16)."""
     g = torch.Generator("cuda").manual_seed(M + D)
     x = torch.randn(M, D, device="cuda", generator=g).to(dtype)
     params = [torch.randn(s, device="cuda", generator=g) * 0.05 for s in ((4 * D, D), (4 * D,))]
