@@ -16,12 +16,14 @@ the parameter shapes of a GPT-2 preset (fp32 params, grads and moments, as train
   clip factor from device memory (no host sync) and applies it while updating: the grads are
   read once, not three times (norm, scale in place, step);
 - triton flat: the same kernel once over all parameters laid end to end: the bandwidth a single
-  launch reaches (train.py's parameters are separate tensors, so this is a bound, not an option).
+  launch reaches (train.py's parameters are separate tensors, so this is a bound, not an option);
+- MultiTensorAdamW (fused_loss/adamw.py, train.py's default on CUDA since session 21): the norm
+  and the step each in one launch over all tensors, through tables of their addresses.
 
 and checks that `triton` leaves the same parameters and moments as `torch` after a few steps.
 Floor: AdamW reads p, g, m, v and writes p, m, v (28 bytes per parameter); the norm reads g
-(4 more). Exploratory: nothing in train.py uses this kernel. Measured: bench/RESULTS.md
-runs 45-46.
+(4 more). The per-tensor and flat kernels here are exploratory; train.py uses fused_loss/adamw.py.
+Measured: bench/RESULTS.md runs 45-46 and session 21.
 """
 
 import argparse
@@ -34,6 +36,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import train  # noqa: E402
+from fused_loss.adamw import MultiTensorAdamW  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 PRESETS = ("124M", "350M", "774M", "1558M")
@@ -147,6 +150,7 @@ def time_per_tensor(preset, layers, reps, device):
     ]
     opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=device == "cuda")
     ours = TritonAdamW(params, wds)
+    multi = MultiTensorAdamW(groups, lr=LR, betas=BETAS, eps=EPS)
 
     def clip():
         torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
@@ -161,12 +165,17 @@ def time_per_tensor(preset, layers, reps, device):
     def triton_step():
         ours.step(clip_coef([p.grad for p in params], MAX_NORM))
 
+    def multi_step():
+        train.clipped_step(multi, params, MAX_NORM)
+
     rows = [
         ("torch: clip_grad_norm_ + fused AdamW", 40, clip_step),
         ("train.py: norm + fused AdamW, clip as grad_scale", 36, train_step),
         ("torch: fused AdamW alone", 28, opt.step),
         ("torch: clip alone", 12, clip),
         ("triton: norm + AdamW per tensor, clip in-kernel", 32, triton_step),
+        ("MultiTensorAdamW: norm + AdamW, one launch each", 32, multi_step),
+        ("MultiTensorAdamW: AdamW alone", 28, multi.step),
     ]
     return [(name, nbytes, time_ms(fn, reps)) for name, nbytes, fn in rows]
 
