@@ -544,6 +544,21 @@ def build_optimizer(model, cfg, device):
     return torch.optim.AdamW(groups, **kw, fused=device.type == "cuda")
 
 
+def load_optimizer_state(optimizer, state):
+    """optimizer.load_state_dict(state), keeping the optimizer's own choice of kernel: a state
+    saved by MultiTensorAdamW carries no "fused"/"foreach" flags, and torch's AdamW would
+    otherwise take them from it (and drop to its slower per-tensor loop). A fused AdamW keeps
+    its step counters on the parameters' device (torch moves them only for fused states)."""
+    how = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, flags in zip(optimizer.param_groups, how, strict=True):
+        group.update(flags)
+        for p in group["params"] if group.get("fused") else []:
+            if "step" in optimizer.state.get(p, {}):
+                step = optimizer.state[p]["step"]
+                optimizer.state[p]["step"] = step.to(dtype=torch.float32, device=p.device)
+
+
 def clipped_step(optimizer, params, max_norm):
     """clip_grad_norm_(params, max_norm), then optimizer.step(); returns the total grad norm
     before clipping (a device scalar: no host sync). params: the optimizer's parameters, in the
@@ -658,7 +673,7 @@ def main(argv=None):
                     + (f"; to resume it, pass {fix}" if fix else "")
                 )
             raw_model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
+            load_optimizer_state(optimizer, ckpt["optimizer"])
             loader.load_state_dict(ckpt["loader"])  # one position for all ranks, any world size
             start_step = ckpt["step"]
             notes.append(f"resumed from {ckpts[-1]} at step {start_step}")

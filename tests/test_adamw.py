@@ -133,3 +133,23 @@ def test_bad_input():
     d.grad = torch.ones(4, dtype=torch.float64)
     with pytest.raises(TypeError, match="fp32"):
         MultiTensorAdamW([d]).step()
+
+
+def test_resumed_torch_adamw_keeps_its_kernel_flags():
+    """train.load_optimizer_state: torch's AdamW loading MultiTensorAdamW's state (no "fused" or
+    "foreach" in its groups) keeps the kernel it was built with, and the state itself."""
+    start, grads = _params(SHAPES["ragged"], "cpu")
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    ours = MultiTensorAdamW(_groups(params), **HYPER)
+    for p, g in zip(params, grads[0], strict=True):
+        p.grad = g
+    ours.step()
+    for flag in ("foreach", "fused"):  # CPU AdamW has both kernels (torch >= 2.4)
+        theirs = torch.optim.AdamW(_groups(params), **HYPER, **{flag: True})
+        train.load_optimizer_state(theirs, ours.state_dict())
+        assert all(group[flag] is True for group in theirs.param_groups)
+        assert all(theirs.state[p]["step"].item() == 1 for p in params)
+        m = theirs.state[params[0]]["exp_avg"]
+        torch.testing.assert_close(m, ours.state[params[0]]["exp_avg"])
+        theirs.step()  # the loaded state is usable by that kernel
+        assert all(theirs.state[p]["step"].item() == 2 for p in params)
