@@ -1,8 +1,9 @@
 """AdamW (and the global grad norm) over every parameter in one Triton launch each.
 
 torch's fused AdamW walks its tensor lists in launches of at most a few hundred blocks; on
-GPT-2's ~150-580 fp32 tensors that reaches ~3.4 TB/s on the H200, while one launch over the
-same bytes reaches ~4.1 TB/s (bench/bench_adamw.py, bench/RESULTS.md runs 45-46). Here every
+GPT-2's 148-580 fp32 tensors that reaches 2.9-3.4 TB/s on the H200, while one launch over the
+same bytes in one buffer reaches 4.1 TB/s (bench/bench_adamw.py, bench/RESULTS.md runs 45-46);
+this one, 4.0 TB/s at 1558M (run 70: norm + step 12.3 ms against 16.9 for torch's). Here every
 tensor is cut into BLOCK-element blocks and one program per block finds its tensor through
 tables of raw addresses (int64 data pointers, cast to pointers in the kernel):
 
@@ -103,7 +104,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.grad_scale = None
         self._blocks = {}  # (numel, ...) -> (block_tensor, block_start) on the device
-        self._tables = None  # (key of addresses, ptrs, numels, wds) of the last step
+        self._tables = None  # (key of addresses, ptrs, numels, wds, aligned) of the last step
 
     def _hyper(self):
         first = self.param_groups[0]
@@ -123,6 +124,8 @@ class MultiTensorAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                if live and p.device != live[0][0].device:
+                    raise ValueError("MultiTensorAdamW takes parameters on one device")
                 if p.dtype != torch.float32 or p.grad.dtype != torch.float32 or p.grad.is_sparse:
                     raise TypeError("MultiTensorAdamW takes fp32 parameters with dense fp32 grads")
                 if not p.is_contiguous() or not p.grad.is_contiguous():
@@ -174,6 +177,8 @@ class MultiTensorAdamW(torch.optim.Optimizer):
     def total_norm(self):
         """The L2 norm of all grads together, a device scalar (no host sync)."""
         live = self._live()
+        if not live:
+            return torch.zeros((), device=self.param_groups[0]["params"][0].device)
         ptrs, numels, _, aligned, block_tensor, block_start = self._prepare(live)
         partial = torch.empty(block_tensor.numel(), device=ptrs.device, dtype=torch.float32)
         _sumsq_kernel[(block_tensor.numel(),)](
