@@ -107,15 +107,11 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         self._tables = None  # (key of addresses, ptrs, numels, wds, aligned) of the last step
 
     def _hyper(self):
-        first = self.param_groups[0]
-        for group in self.param_groups:
-            if (group["lr"], tuple(group["betas"]), group["eps"]) != (
-                first["lr"],
-                tuple(first["betas"]),
-                first["eps"],
-            ):
-                raise ValueError("MultiTensorAdamW: lr, betas and eps must match across groups")
-        return first["lr"], first["betas"], first["eps"]
+        """(lr, betas, eps), the same in every group (only the weight decay is per tensor)."""
+        found = {(g["lr"], tuple(g["betas"]), g["eps"]) for g in self.param_groups}
+        if len(found) > 1:
+            raise ValueError("MultiTensorAdamW: lr, betas and eps must match across groups")
+        return found.pop()
 
     def _live(self):
         """(param, weight decay) of every parameter with a grad, state created where missing."""

@@ -79,15 +79,21 @@ def _has_nvidia_backend():
     return "nvidia" in backends
 
 
-@pytest.mark.skipif(not _has_nvidia_backend(), reason="this Triton has no NVIDIA backend")
-def test_kernels_compile_for_sm90_with_vectorised_logit_loads():
+def _compile_for_sm90(script):
+    """Run one of the scripts above in a subprocess without TRITON_INTERPRET (so triton compiles
+    for real) and return the JSON its last line prints."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # triton 3.9 warns when unset; 1 is its default
     p = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert p.returncode == 0, p.stderr[-4000:]
-    loads = json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not _has_nvidia_backend(), reason="this Triton has no NVIDIA backend")
+def test_kernels_compile_for_sm90_with_vectorised_logit_loads():
+    loads = _compile_for_sm90(SCRIPT)
     assert len(loads) == 14
     for name, (v4, b16) in loads.items():
         if name.startswith(("softmax_grad bf16", "exp_rows bf16")):
@@ -143,13 +149,7 @@ print(json.dumps(dict(registers=out, limit=limit)))
 def test_default_row_kernel_launch_keeps_its_programs_resident():
     """Above the limit only some of the per_sm programs fit at once and the rest run as a second
     wave: on the H200 that cost 0.4-1.1 ms per 124M call (bench/RESULTS.md, session 12)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    p = subprocess.run(
-        [sys.executable, "-c", RESIDENCY], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])
+    res = _compile_for_sm90(RESIDENCY)
     assert len(res["registers"]) == 4
     for name, regs in res["registers"].items():
         assert isinstance(regs, int), (name, regs)  # else ptxas's own words
@@ -188,13 +188,7 @@ print(json.dumps({f"{name} {aligned}": build(fn, sig, aligned)
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="this Triton has no NVIDIA backend")
 def test_adamw_kernels_compile_with_16_byte_accesses():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    p = subprocess.run(
-        [sys.executable, "-c", ADAMW], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    got = _compile_for_sm90(ADAMW)
     assert got == {
         "adamw True": [16, 12],  # p, g, m, v loaded; p, m, v stored
         "adamw False": [0, 0],
