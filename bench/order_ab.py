@@ -1,6 +1,6 @@
 """The row kernels' launch options and the chunk size, with and without padded columns: GPU time.
 
-    python bench/order_ab.py [--repeats 3] [--knobs] [--chunks] [--compile]
+    python bench/order_ab.py [--repeats 3] [--knobs] [--chunks] [--compile] [--gemm]
 
 At the 124M shape (bench_fused_loss's inputs, targets within the real vocab) it times one fwd+bwd
 of ours with bf16 x and w for each pass order ("forward", "pass1_back", "pass2_back") at
@@ -10,9 +10,10 @@ vocab_size 50304 (nothing masked) and 50257 (47 padded columns masked), and the 
 --compile adds torch.compile of the reference (all 50304 columns, bf16 and fp32 master weight)
 as the baseline in the same repeats. --chunks adds rows at other buffer budgets
 (fused.EXTRA_BYTES): bf16 w at 18 chunks instead of 19, the fp32 master weight at 13 and 12
-chunks instead of 10. Times are medians of 10 calls in ms with the host's latency hidden
-(bench_fused_loss.timed(hide_host=True)). This is the measurement behind the CONFIGS
-defaults (order, mask, cap_regs).
+chunks instead of 10. --gemm times instead the chunk GEMMs' settings (CONFIGS gemm, lt_candidates,
+lt_workspace) at vocab_size 50257, bf16 and fp32 master weights. Times are medians of 10 calls
+in ms with the host's latency hidden (bench_fused_loss.timed(hide_host=True)). This is the
+measurement behind the CONFIGS defaults (order, mask, cap_regs, gemm).
 """
 
 import argparse
@@ -36,8 +37,19 @@ from fused_loss import fused as fl  # noqa: E402  (bench_fused_loss set the path
 from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 
 
-def cases(knobs, chunks):
+def cases(knobs, chunks, gemm=False):
     """(label, CONFIGS overrides, EXTRA_BYTES or None, vocab_size, fp32 master) in timing order."""
+    if gemm:  # the chunk GEMMs: torch's, and cuBLASLt with more candidates / workspace
+        out = []
+        for prefix, over in (
+            ("", {}),
+            ("gemm torch, ", dict(gemm="torch")),
+            ("lt 8 candidates, ", dict(lt_candidates=8)),
+            ("lt 32 MiB workspace, ", dict(lt_workspace=32 * MiB)),
+        ):
+            out.append((f"{prefix}bf16 w, vocab_size 50257", over, None, 50257, False))
+            out.append((f"{prefix}fp32 master w, vocab_size 50257", over, None, 50257, True))
+        return out
     settings = [("", {})]
     if knobs:
         settings += [("mask kernel, ", dict(mask="kernel"))]
@@ -66,6 +78,7 @@ def main():
     ap.add_argument("--knobs", action="store_true", help="also mask='kernel' and cap_regs=False")
     ap.add_argument("--chunks", action="store_true", help="also other buffer budgets")
     ap.add_argument("--compile", action="store_true", help="also torch.compile of the reference")
+    ap.add_argument("--gemm", action="store_true", help="only the chunk GEMM settings")
     args = ap.parse_args()
     x, w, t = make_inputs(*SHAPES["124M"])
     t = t.clamp(max=50256)  # valid under both vocab sizes
@@ -82,7 +95,7 @@ def main():
     def compiled(weight, master):
         return FwdBwd(master_weight(ref_compiled) if master else ref_compiled, x, weight, t)
 
-    todo = cases(args.knobs, args.chunks)
+    todo = cases(args.knobs, args.chunks, args.gemm)
     if args.compile:  # the nanoGPT-style baseline, same inputs, in the same repeats (over=None)
         todo = [
             (f"torch.compile, {m}", None, None, 50304, m == "fp32 master w")

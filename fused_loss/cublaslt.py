@@ -1,17 +1,24 @@
 """One cuBLASLt matmul with an epilogue, called through ctypes: torch reaches cuBLASLt's bias and
-plain GELU epilogues (addmm, torch._addmm_activation) but not GELU_AUX_BIAS or DGELU.
+plain GELU epilogues (addmm, torch._addmm_activation) but not GELU_AUX_BIAS or DGELU, and does not
+let the algorithm be chosen by timing.
 
     matmul(a, b, out, bias=None, aux=None, epilogue=EPI_DEFAULT)   # out = a @ b, then epilogue
+    matmul(a, b, out, beta=1.0)                                    # out += a @ b
 
-a (m, k), b (k, n), out (m, n): CUDA tensors of one float dtype, each row-major or a transposed
-view of one; fp32 accumulation. cuBLAS is column-major, so a row-major (m, n) matrix is its
-(n, m) transpose: out^T = b^T @ a^T is what cuBLASLt is asked for (cuBLAS "A" = b, "B" = a).
+a (m, k), b (k, n): CUDA tensors of one float dtype; out (m, n) in it or fp32; each row-major or
+a transposed view of one (out contiguous); fp32 accumulation. cuBLAS is column-major, so a
+row-major (m, n) matrix is its (n, m) transpose: out^T = b^T @ a^T is what cuBLASLt is asked
+for (cuBLAS "A" = b, "B" = a).
 Epilogues used (values from cublasLt.h):
     GELU_AUX_BIAS  out = gelu_tanh(a @ b + bias), aux = a @ b + bias (the pre-activation)
     DGELU          out = (a @ b) * gelu_tanh'(aux)
-The first call of each shape / layout / epilogue times the heuristic's first 8 algorithms on
-the call's own operands and keeps the fastest (TUNING records the times): the heuristic's first
-pick was up to 7 % slower on GPT-2's shapes (bench/RESULTS.md, session 20).
+The first call of each shape / layout / epilogue / workspace limit with beta = 0 times the
+heuristic's first `candidates` algorithms on the call's own operands and keeps the fastest (TUNING
+records the times): the heuristic's first pick was up to 7 % slower on GPT-2's shapes
+(bench/RESULTS.md, session 20) and up to 1.27x on the classifier's accumulating dw GEMM. Timing
+overwrites out, which the beta = 0 launch that follows rewrites; tune_beta = 1 times the
+candidates as accumulating calls (the classifier's first dw chunk). A first call with beta != 0
+times them with a zero operand, so that out keeps its sum (_timing_launch).
 The library is the libcublasLt this process has loaded (torch's), else one found by its soname
 or under the nvidia/ pip packages next to torch.
 """
@@ -28,12 +35,14 @@ DTYPES = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14}  # cudaDataTyp
 OP_N, OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8  # cublasLtMatmulDesc...
 DESC_AUX_POINTER, DESC_AUX_LD = 11, 12  # ...Attributes_t
-PREF_MAX_WORKSPACE = 1  # cublasLtMatmulPreferenceAttributes_t
+PREF_MAX_WORKSPACE, PREF_MIN_ALIGNMENT_A = 1, 5  # cublasLtMatmulPreferenceAttributes_t (B, C,
+# D: 6, 7, 8): the heuristic assumes 256-byte aligned operands unless told less
 EPI_DEFAULT, EPI_GELU_AUX_BIAS, EPI_DGELU = 1, 32 | 128 | 4, 64 | 128  # cublasLtEpilogue_t
 WORKSPACE = 32 * 2**20  # bytes, what cuBLAS asks for on Hopper
 CANDIDATES = 8
-ALGOS = {}  # (device, key) -> the fastest algorithm measured for that key
-TUNING = {}  # key -> ms of each candidate, in the heuristic's order
+ALGOS = {}  # (device, key, candidates, with a reference) -> the fastest measured for that key
+REFERENCE = "reference"  # in ALGOS: the caller's reference GEMM was the fastest
+TUNING = {}  # key -> ms of each candidate, in the heuristic's order (then the reference)
 
 
 class _Heuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t
@@ -96,11 +105,23 @@ def _check(status, what):
 
 @functools.cache
 def _handle(device_index):
-    """The cuBLASLt handle and the workspace of one device."""
+    """The cuBLASLt handle of one device."""
     handle = ctypes.c_void_p()
     _check(_lib().cublasLtCreate(ctypes.byref(handle)), "create")
-    workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=f"cuda:{device_index}")
-    return handle, workspace
+    return handle
+
+
+_WORKSPACES = {}  # device index -> the one workspace, as large as the largest limit asked for
+
+
+def _workspace(device_index, nbytes):
+    """A workspace of at least nbytes on the device; one per device, grown when a call needs more
+    (a classifier with a small limit alone does not pay for the MLP's 32 MiB)."""
+    ws = _WORKSPACES.get(device_index)
+    if ws is None or ws.numel() < nbytes:
+        ws = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=f"cuda:{device_index}")
+        _WORKSPACES[device_index] = ws
+    return ws
 
 
 def _set(desc, attr, value, ctype):
@@ -124,7 +145,9 @@ def _operand(t):
 @functools.cache
 def _plan(key):
     """The operation descriptor, the A, B, D layouts and the search preference of one key."""
-    (opa, ra, ca, lda, ta), (opb, rb, cb, ldb, tb), (n, m, td), epilogue = key
+    (opa, ra, ca, lda, ta), (opb, rb, cb, ldb, tb), (n, m, td), epilogue, max_workspace, aligns = (
+        key
+    )
     lib = _lib()
     desc = ctypes.c_void_p()
     _check(
@@ -144,16 +167,47 @@ def _plan(key):
         layouts.append(layout)
     pref = ctypes.c_void_p()
     _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
-    size = ctypes.c_uint64(WORKSPACE)
+    size = ctypes.c_uint64(max_workspace)
     _check(
         lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE, ctypes.byref(size), 8),
         "preference attribute",
     )
+    for i, align in enumerate(aligns + aligns[-1:]):  # A, B, C, D (C is D)
+        v = ctypes.c_uint32(align)
+        _check(
+            lib.cublasLtMatmulPreferenceSetAttribute(
+                pref, PREF_MIN_ALIGNMENT_A + i, ctypes.byref(v), 4
+            ),
+            "alignment",
+        )
     return desc, layouts, pref
 
 
-def matmul(a, b, out, *, bias=None, aux=None, epilogue=EPI_DEFAULT):
-    """out = a @ b, then `epilogue` (module docstring): bias (n,), aux (m, n) where it uses them."""
+def _alignment(t):
+    """Bytes (a power of two, at most 256) that t's first element's address is a multiple of."""
+    ptr = t.data_ptr()
+    return min(256, ptr & -ptr) if ptr else 256
+
+
+def matmul(
+    a,
+    b,
+    out,
+    *,
+    bias=None,
+    aux=None,
+    epilogue=EPI_DEFAULT,
+    beta=0.0,
+    tune_beta=None,
+    candidates=CANDIDATES,
+    max_workspace=WORKSPACE,
+    reference=None,
+):
+    """out = a @ b + beta * out, then `epilogue` (module docstring): bias (n,), aux (m, n) where
+    it uses them. tune_beta (default: beta): the beta the candidates are timed with on a first
+    call; candidates: how many of the heuristic's algorithms that timing tries; max_workspace:
+    bytes of workspace an algorithm may use; reference(beta, a=, b=): the same GEMM by other means
+    (torch's cuBLAS call), timed as one more candidate and run instead when it is the fastest."""
     m, n = out.shape
     if out.stride() != (n, 1) or (
         aux is not None and (aux.shape, aux.stride()) != (out.shape, (n, 1))
@@ -166,6 +220,8 @@ def matmul(a, b, out, *, bias=None, aux=None, epilogue=EPI_DEFAULT):
         (opb, rb, cb, ldb, DTYPES[a.dtype]),
         (n, m, DTYPES[out.dtype]),
         epilogue,
+        max_workspace,
+        (_alignment(b), _alignment(a), _alignment(out)),
     )
     desc, (layout_a, layout_b, layout_d), pref = _plan(key)
     if bias is not None:
@@ -173,48 +229,89 @@ def matmul(a, b, out, *, bias=None, aux=None, epilogue=EPI_DEFAULT):
     if aux is not None:
         _set(desc, DESC_AUX_POINTER, aux.data_ptr(), ctypes.c_void_p)
     dev = out.device.index
-    handle, workspace = _handle(dev)
-    alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    handle, workspace = _handle(dev), _workspace(dev, max_workspace)
     stream = ctypes.c_void_p(torch.cuda.current_stream(out.device).cuda_stream)
 
-    def launch(algo):  # beta = 0: C is not read; D = out
+    def launch(algo, beta, a=a, b=b):  # C = D = out (C is not read when beta = 0)
+        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(beta)
         return _lib().cublasLtMatmul(
             handle, desc, ctypes.byref(alpha), b.data_ptr(), layout_a, a.data_ptr(), layout_b,
             ctypes.byref(beta), out.data_ptr(), layout_d, out.data_ptr(), layout_d,
-            ctypes.byref(algo), workspace.data_ptr(), WORKSPACE, stream,
+            ctypes.byref(algo), workspace.data_ptr(), max_workspace, stream,
         )  # fmt: skip
 
-    if (dev, key) not in ALGOS:
-        ALGOS[dev, key] = _fastest(handle, desc, (layout_a, layout_b, layout_d), pref, launch, key)
-    _check(launch(ALGOS[dev, key]), "matmul")
+    algo = ALGOS.get(cached := (dev, key, candidates, reference is not None))
+    if algo is None:
+        found = _heuristic(handle, desc, (layout_a, layout_b, layout_d), pref, key, candidates)
+        algo = found[0].algo
+        ops = _timing_operands(a, b, beta)
+        if ops is not None:
+            tune = beta if tune_beta is None else tune_beta
+            runs = [functools.partial(launch, r.algo, tune, **ops) for r in found if r.state == 0]
+            algos = [r.algo for r in found if r.state == 0]
+            if reference is not None:  # the caller's own GEMM, one more candidate
+                runs.append(lambda: reference(tune, **ops) or 0)
+                algos.append(REFERENCE)
+            algo = ALGOS[cached] = algos[_fastest(runs, key)]
+    if algo is REFERENCE:
+        reference(beta, a=a, b=b)
+    else:
+        _check(launch(algo, beta), "matmul")
     return out
 
 
-def _fastest(handle, desc, layouts, pref, launch, key, reps=3):
-    """The fastest of the heuristic's first CANDIDATES algorithms, timed on this call's operands."""
+def _timing_operands(a, b, beta):
+    """The operands to time candidates on without changing what the call computes: dict(a=, b=).
+
+    beta = 0: the call's own (out is rewritten by the call's launch after). beta != 0: out holds
+    what the call adds to, so a zero copy of the smaller dense operand stands in for it (out +=
+    a @ 0 leaves out as it is; a GEMM's time does not depend on the values). None when neither
+    operand is dense (the heuristic's first pick then runs, untimed and not kept).
+    """
+    if beta == 0:
+        return dict(a=a, b=b)
+    dense = [t for t in (a, b) if t.is_contiguous() or t.t().is_contiguous()]
+    if not dense:
+        return None
+    stand_in = min(dense, key=torch.Tensor.numel)
+    zero = torch.zeros_like(stand_in)  # a dense tensor's strides are kept
+    return dict(a=zero, b=b) if stand_in is a else dict(a=a, b=zero)
+
+
+def _heuristic(handle, desc, layouts, pref, key, candidates):
+    """The heuristic's first `candidates` algorithms for one plan (at least one)."""
     layout_a, layout_b, layout_d = layouts
-    found = (_Heuristic * CANDIDATES)()
+    found = (_Heuristic * candidates)()
     count = ctypes.c_int(0)
     _check(
         _lib().cublasLtMatmulAlgoGetHeuristic(
-            handle, desc, layout_a, layout_b, layout_d, layout_d, pref, CANDIDATES, found,
+            handle, desc, layout_a, layout_b, layout_d, layout_d, pref, candidates, found,
             ctypes.byref(count),
         ),
         "heuristic",
     )  # fmt: skip
     if count.value == 0:
-        raise RuntimeError(f"cuBLASLt offers no algorithm for {key}; try --mlp_impl=torch")
-    times = []
-    for result in found[: count.value]:
-        if result.state != 0 or launch(result.algo) != 0:  # the untimed first launch warms up
-            times.append(float("inf"))
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            launch(result.algo)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
+        raise RuntimeError(f"cuBLASLt offers no algorithm for {key}")
+    return found[: count.value]
+
+
+def _fastest(runs, key, reps=5, rounds=2):
+    """Index of the fastest of `runs` (callables returning a cuBLAS status, 0 when it ran): each
+    timed over reps calls after an untimed one, in `rounds` interleaved rounds, its best round
+    kept (a clock ramp or a neighbour's burst in one round does not decide the pick)."""
+    times = [float("inf")] * len(runs)
+    ok = [True] * len(runs)
+    for _ in range(rounds):
+        for i, run in enumerate(runs):
+            if not ok[i] or run() != 0:  # the untimed first call warms up
+                ok[i] = False
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                run()
+            end.record()
+            end.synchronize()
+            times[i] = min(times[i], start.elapsed_time(end) / reps)
     TUNING[key] = times
-    return found[min(range(len(times)), key=times.__getitem__)].algo
+    return min(range(len(times)), key=times.__getitem__)

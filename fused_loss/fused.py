@@ -12,7 +12,7 @@ import os
 import torch
 import triton
 
-from fused_loss import kernels
+from fused_loss import cublaslt, kernels
 from fused_loss.checks import check_inputs
 from fused_loss.reference import linear_cross_entropy_reference
 
@@ -41,7 +41,23 @@ from fused_loss.reference import linear_cross_entropy_reference
 # runs unmasked. "kernel": the row kernel masks from vocab_size on. Same results (tested);
 # "fill" measured 0.06-0.3 ms faster at vocab_size 50257 (run 20: 13.99-14.04 against
 # 14.12-14.16 with pass1_back).
-_CHOICES = dict(single_read="auto", order="pass1_back", cap_regs=True, mask="fill")
+# gemm: "cublaslt" runs the chunk GEMMs through fused_loss.cublaslt, each shape's algorithm chosen
+# on its first call by timing the heuristic's first lt_candidates (lt_workspace bytes at most) and
+# torch's own call; "torch": torch.mm / addmm, cuBLAS's own first pick, fixed (runs repeat bit for
+# bit; timed picks can differ between processes). bf16/fp16 only; fp32 GEMMs stay torch's.
+# H200 (bench/RESULTS.md §1, runs 73-75): cuBLAS's pick for the accumulating dw GEMM was 1.2x the
+# best candidate at 124M and 1.27x at 1558M; the logits GEMM 1.05x, dx 1.04-1.1x; the best were
+# always among the first 8 candidates, and as fast without workspace (no split-K), so nothing is
+# allocated for them. 124M fwd+bwd: 13.33-13.38 GPU ms against 14.10 with gemm="torch".
+_CHOICES = dict(
+    single_read="auto",
+    order="pass1_back",
+    cap_regs=True,
+    mask="fill",
+    gemm="cublaslt",
+    lt_candidates=16,
+    lt_workspace=0,
+)
 ORDERS = ("forward", "pass1_back", "pass2_back")
 CONFIGS = {
     "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, **_CHOICES),
@@ -92,29 +108,49 @@ def accumulator_parts(V, cast_bytes, buffer_bytes, max_parts=8, align=1):
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
-def _matmul_fp32(out, a, b, accumulate):
-    """out (fp32) = a @ b, or += when accumulate; a, b in the compute dtype, fp32 accumulation.
+def _gemm(out, a, b, cfg, accumulate=False, tune_accumulate=False):
+    """out = a @ b, or += when accumulate; a, b in the compute dtype, out in it or fp32 (fp32
+    accumulation either way). tune_accumulate: a first, overwriting call of a GEMM whose later
+    calls accumulate, so that cuBLASLt times its candidates as accumulating calls.
 
-    On CUDA one cuBLAS call with an fp32 output (out_dtype); on CPU (interpreter tests) the same
-    product through fp32 copies.
+    CUDA bf16/fp16 with gemm="cublaslt": the fastest of cuBLASLt's candidates and torch's own call,
+    timed on the first call of each shape (CONFIGS); else torch (cuBLAS's first pick).
     """
     beta = 1 if accumulate else 0
-    if a.dtype == torch.float32:
-        torch.addmm(out, a, b, beta=beta, out=out)
+    if a.device.type == "cuda" and cfg["gemm"] == "cublaslt" and a.dtype != torch.float32:
+        cublaslt.matmul(
+            a,
+            b,
+            out,
+            beta=beta,
+            tune_beta=1 if tune_accumulate else None,
+            candidates=cfg["lt_candidates"],
+            max_workspace=cfg["lt_workspace"],
+            reference=functools.partial(_torch_gemm, out),
+        )
+    else:
+        _torch_gemm(out, beta, a, b)
+
+
+def _torch_gemm(out, beta, a, b):
+    """out = a @ b + beta * out through torch; on CPU (interpreter tests) through fp32 copies when
+    out is fp32 and a, b are not."""
+    if out.dtype == a.dtype:
+        torch.addmm(out, a, b, beta=beta, out=out) if beta else torch.mm(a, b, out=out)
     elif a.device.type == "cuda":
         torch.addmm(out, a, b, out_dtype=torch.float32, beta=beta, out=out)
     else:
         torch.addmm(out, a.float(), b.float(), beta=beta, out=out)
 
 
-def _accumulate_dw(accs, parts, g_t, xs, first):
+def _accumulate_dw(accs, parts, g_t, xs, first, cfg):
     """accs[k] = (or +=) g_t[a:b] @ xs for each row range (a, b) of dw: fp32 accumulation.
 
     A function so that no loop variable outlives the chunk loop: one left referencing the last
     part kept it alive through the casts (1558M: +153.5 MiB at the peak, bench/RESULTS.md run 35).
     """
     for (a, b), acc in zip(parts, accs, strict=True):
-        _matmul_fp32(acc, g_t[a:b], xs, accumulate=not first)
+        _gemm(acc, g_t[a:b], xs, cfg, accumulate=not first, tune_accumulate=first)
 
 
 def row_kernel_maxnreg(num_warps, per_sm):
@@ -150,7 +186,8 @@ def row_kernel_setup(cfg, cuda, vocab_size, V):
 
 
 def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
-    """One chunked pass. x (N, D), w (V, D) (any float dtype), y (N,) int64, g: (1,) or (N,) fp32.
+    """One chunked pass. x (N, D), w (V, D) (any float dtype), y (N,) int64, g: (1,) or (N,) fp32,
+    or a function returning it (called once the first GEMM is queued).
 
     Returns per-row losses (N,) fp32 and, if want_grad, dx (N, D) in x's dtype and dw (V, D) in
     w's dtype, the gradients of sum_n g_n loss_n. The GEMMs run in x's dtype: w is cast to it (a
@@ -176,8 +213,12 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     programs = _num_sms(dev.index) * cfg["per_sm"] if cuda and cfg["per_sm"] else n
     single = use_single_read(cfg["single_read"], x.dtype, dw_dtype)
 
-    losses = torch.empty(N, device=dev, dtype=torch.float32)
     buf = torch.empty((n, V), device=dev, dtype=x.dtype)  # z, then G (or E) of one chunk
+    # the first chunk's logits GEMM is queued before the rest is set up (and g formed, when it is
+    # a function): the GPU starts on it while the host does the rest
+    _gemm(buf, x[:n], w.t(), cfg)
+    g = g() if callable(g) else g
+    losses = torch.empty(N, device=dev, dtype=torch.float32)
     dx, dw, accs = x.new_empty(0), x.new_empty(0), []
     cast_bytes = V * D * dw_dtype.itemsize if acc_bytes else 0
     parts = accumulator_parts(V, cast_bytes, n * V * x.element_size(), align=64 if cuda else 1)
@@ -196,7 +237,8 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     for i, c0 in enumerate(range(0, N, n)):
         rows = min(n, N - c0)
         xs, z, dxs = x[c0 : c0 + rows], buf[:rows], dx[c0 : c0 + rows]
-        torch.mm(xs, w.t(), out=z)
+        if i:  # the first one was queued above
+            _gemm(z, xs, w.t(), cfg)
         if fill:
             z[:, vocab_size:].fill_(float("-inf"))
         args = (z, y[c0 : c0 + rows], g[c0 : c0 + rows] if g_per_row else g)
@@ -210,13 +252,13 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
         if not want_grad:
             continue
         if single:  # dx = f * (E @ w), dw += E.T @ (f * x)
-            _matmul_fp32(p[:rows], z, w, accumulate=False)
+            _gemm(p[:rows], z, w, cfg)
             kernels._row_scale_kernel[(rows,)](p, f, dxs, D, **scale)
             kernels._row_scale_kernel[(rows,)](xs, f, xs_scaled, D, **scale)
             xs = xs_scaled[:rows]
         else:  # dx = G @ w, dw += G.T @ x
-            torch.mm(z, w, out=dxs)
-        _accumulate_dw(accs, parts, z.t(), xs, first=i == 0)
+            _gemm(dxs, z, w, cfg)
+        _accumulate_dw(accs, parts, z.t(), xs, first=i == 0, cfg=cfg)
     del buf, z, args  # free the buffer before the cast allocates dw in its dtype
     if want_grad:
         casts = []
@@ -236,22 +278,24 @@ def _lce_forward(
     reduction: str,
     want_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if reduction == "mean":  # 1 / (number of non-ignored targets), on device: no sync
-        g = (y != ignore_index).sum(dtype=torch.float32).clamp_(min=1).reciprocal_().reshape(1)
-    else:
-        g = torch.ones(1, device=x.device, dtype=torch.float32)
+    @functools.cache  # formed once, after lce_pass has queued its first GEMM
+    def weight():  # "mean": 1 / (number of non-ignored targets), on device: no sync
+        if reduction == "mean":
+            return (y != ignore_index).sum(dtype=torch.float32).clamp_(min=1).reciprocal_()[None]
+        return torch.ones(1, device=x.device, dtype=torch.float32)
+
     grads = want_grad and reduction != "none"
     losses, dx, dw = lce_pass(
         x,
         w,
         y,
-        g,
+        weight,
         ignore_index=ignore_index,
         vocab_size=vocab_size,
         want_grad=grads,
         g_per_row=False,
     )
-    loss = losses if reduction == "none" else losses.sum() * g[0]
+    loss = losses if reduction == "none" else losses.sum() * weight()[0]
     return loss, dx, dw
 
 

@@ -326,10 +326,10 @@ def test_dw_accumulated_in_parts(monkeypatch, reduction):
     # are joined (a loop variable once kept the last one alive: +153.5 MiB at 1558M)
     refs, joins = [], []
 
-    def accumulate(accs, parts, g_t, xs, first):
+    def accumulate(accs, parts, g_t, xs, first, cfg):
         if first:
             refs.extend(weakref.ref(a) for a in accs)
-        return fl_accumulate(accs, parts, g_t, xs, first)
+        return fl_accumulate(accs, parts, g_t, xs, first, cfg)
 
     def cat(tensors, *args, **kw):
         joins.append([r() is None for r in refs])
@@ -407,11 +407,12 @@ def test_bad_inputs_raise_clear_errors():
     "shape", [(4096, 768, 50304, 50257), (1000, 1600, 50304, 50257), (777, 200, 4099, 4001)]
 )
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("knob", ["default", "mask_kernel", "no_cap_regs"])
+@pytest.mark.parametrize("knob", ["default", "mask_kernel", "no_cap_regs", "gemm_torch"])
 def test_gpu_real_sizes(shape, reduction, knob, monkeypatch):
-    if knob != "default":  # the options timed against the default in bench/order_ab.py --knobs
-        key, value = ("mask", "kernel") if knob == "mask_kernel" else ("cap_regs", False)
-        monkeypatch.setitem(fl.CONFIGS["cuda"], key, value)
+    knobs = dict(mask_kernel=("mask", "kernel"), no_cap_regs=("cap_regs", False))
+    knobs["gemm_torch"] = ("gemm", "torch")  # the options timed in bench/order_ab.py
+    if knob != "default":
+        monkeypatch.setitem(fl.CONFIGS["cuda"], *knobs[knob])
     N, D, V, vocab = shape
     x, w, t = _make(N, D, V, vocab, torch.bfloat16, "cuda", ignore_frac=0.05, seed=7)
     x[::7] *= 6  # some peaky rows

@@ -1,0 +1,71 @@
+"""fused_loss/cublaslt.py: the ctypes cuBLASLt matmul, its layouts and its algorithm timing.
+
+The matmul itself needs a GPU (tests/test_mlp.py and tests/test_fused_loss.py run it at real sizes
+under `-m gpu`); the layout logic and what the timing may touch are tested here on CPU.
+"""
+
+import pytest
+import torch
+
+from fused_loss import cublaslt
+
+
+def test_operand_layouts():
+    """cuBLAS is column-major: a row-major (r, c) tensor is its transpose with ld = row stride,
+    a transposed view is read with op T; anything else is refused, not misread."""
+    t = torch.empty(6, 10)
+    assert cublaslt._operand(t) == (cublaslt.OP_N, 10, 6, 10)
+    assert cublaslt._operand(t.t()) == (cublaslt.OP_T, 10, 6, 10)
+    assert cublaslt._operand(torch.empty(6, 16)[:, :10]) == (cublaslt.OP_N, 10, 6, 16)
+    with pytest.raises(ValueError, match="neither row- nor column-major"):
+        cublaslt._operand(torch.empty(6, 10, 2)[:, :, 0])
+
+
+def test_matmul_refuses_strided_outputs():
+    """out and aux are written as contiguous (m, n): other layouts are refused before any call."""
+    a, b = torch.empty(4, 8), torch.empty(8, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        cublaslt.matmul(a, b, torch.empty(16, 4).t())
+    with pytest.raises(ValueError, match="contiguous"):
+        cublaslt.matmul(a, b, torch.empty(4, 16), aux=torch.empty(16, 4).t())
+
+
+def test_alignment_of_addresses():
+    """The heuristic is told each operand's real alignment (its default assumes 256 bytes): a
+    slice starting one bf16 element in is 2-byte aligned."""
+    t = torch.empty(512, dtype=torch.bfloat16)
+    t = t[(-t.data_ptr()) % 256 // 2 :]  # from a 256-byte boundary (CPU allocations: 64)
+    assert cublaslt._alignment(t) == 256
+    assert cublaslt._alignment(t[1:]) == 2
+    assert cublaslt._alignment(t[8:]) == 16
+    assert cublaslt._alignment(t[64:]) == 128
+    assert cublaslt._alignment(t[128:]) == 256  # capped: more is never asked for
+
+
+@pytest.mark.parametrize("m, transposed", [(7, False), (3, True)])
+def test_timing_an_accumulating_call_leaves_out_unchanged(m, transposed):
+    """A first call with beta != 0 times its candidates on out itself: the smaller dense operand
+    (b at m = 7, a transposed view at m = 3) is replaced by zeros of the same strides, so out
+    keeps exactly the sum it holds."""
+    torch.manual_seed(0)
+    a = torch.randn(24, m).t() if transposed else torch.randn(m, 24)
+    b = torch.randn(24, 5)
+    out = torch.randn(m, 5)
+    before = out.clone()
+    ops = cublaslt._timing_operands(a, b, beta=1.0)
+    for _ in range(3):  # as the candidates' timing launches would run
+        torch.addmm(out, ops["a"], ops["b"], beta=1.0, out=out)
+    assert torch.equal(out, before)
+    kept, zeroed, orig = ("a", "b", b) if m == 7 else ("b", "a", a)
+    assert ops[kept] is (a if kept == "a" else b)
+    assert not ops[zeroed].any() and ops[zeroed].stride() == orig.stride()
+    # an overwriting call (beta = 0) times on its own operands: its own launch rewrites out
+    ops = cublaslt._timing_operands(a, b, beta=0.0)
+    assert ops["a"] is a and ops["b"] is b
+
+
+def test_timing_without_a_dense_operand_is_skipped():
+    """Neither operand dense (strided slices both ways): no stand-in, so no timing (None)."""
+    a = torch.randn(8, 20)[:, ::2]
+    b = torch.randn(10, 12)[:, ::2]
+    assert cublaslt._timing_operands(a, b, 1.0) is None
