@@ -342,6 +342,7 @@ def _eval_main(args):
     if ddp:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+    finished = False
     try:
         _tokenized(args.data)  # a missing or malformed file fails before the model loads
         dtype = resolve_dtype(args.dtype, device)
@@ -365,9 +366,12 @@ def _eval_main(args):
                 f"{f' x {world_size}' if world_size > 1 else ''}",
                 flush=True,
             )
+        finished = True
         return res
     finally:
         if ddp and dist.is_initialized():
+            if finished:  # no rank closes its gloo connections while another still uses them
+                dist.barrier()  # (a rank once aborted at exit without this: "terminate called")
             dist.destroy_process_group()
 
 

@@ -12,13 +12,14 @@ for (cuBLAS "A" = b, "B" = a).
 Epilogues used (values from cublasLt.h):
     GELU_AUX_BIAS  out = gelu_tanh(a @ b + bias), aux = a @ b + bias (the pre-activation)
     DGELU          out = (a @ b) * gelu_tanh'(aux)
-The first call of each shape / layout / epilogue / workspace limit with beta = 0 times the
-heuristic's first `candidates` algorithms on the call's own operands and keeps the fastest (TUNING
-records the times): the heuristic's first pick was up to 7 % slower on GPT-2's shapes
-(bench/RESULTS.md, session 20) and up to 1.27x on the classifier's accumulating dw GEMM. Timing
-overwrites out, which the beta = 0 launch that follows rewrites; tune_beta = 1 times the
-candidates as accumulating calls (the classifier's first dw chunk). A first call with beta != 0
-times them with a zero operand, so that out keeps its sum (_timing_launch).
+The first call of each shape / layout / alignment / epilogue / workspace limit times the
+heuristic's first `candidates` algorithms (and the caller's `reference`, if given) and keeps the
+fastest (TUNING records the times): the heuristic's first pick was up to 7 % slower on GPT-2's
+MLP shapes (bench/RESULTS.md §2c) and up to 1.27x on the classifier's accumulating dw GEMM (§1,
+run 73). With beta = 0 the timing runs on the call's own operands and overwrites out, which the
+call's launch then rewrites; tune_beta = 1 times them as accumulating calls (the classifier's
+first dw chunk). With beta != 0 a zero stand-in replaces one operand, so that out keeps its sum
+(_timing_operands). The pick is per process: two runs may pick differently (not bitwise equal).
 The library is the libcublasLt this process has loaded (torch's), else one found by its soname
 or under the nvidia/ pip packages next to torch.
 """

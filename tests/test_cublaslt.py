@@ -69,3 +69,34 @@ def test_timing_without_a_dense_operand_is_skipped():
     a = torch.randn(8, 20)[:, ::2]
     b = torch.randn(10, 12)[:, ::2]
     assert cublaslt._timing_operands(a, b, 1.0) is None
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("pick", ["timed", "reference"])
+def test_gpu_first_call_accumulates_once(pick, monkeypatch):
+    """A key's first call with beta = 1 (timed on a zero stand-in) adds a @ b to out exactly once,
+    whichever candidate wins; so do later calls, and a reference pick runs the reference."""
+    if pick == "reference":  # the caller's own GEMM wins the timing
+        monkeypatch.setattr(cublaslt, "_fastest", lambda runs, key: len(runs) - 1)
+    torch.manual_seed(0)
+    a = torch.randn(300, 96, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(96, 130, device="cuda", dtype=torch.bfloat16)
+    out = torch.randn(300, 130, device="cuda")
+    expect = out + a.float() @ b.float()
+    used = []
+
+    def reference(beta, a, b, real=(a, b)):
+        used.append((beta, a is real[0] and b is real[1]))
+        torch.addmm(out, a, b, beta=beta, out_dtype=torch.float32, out=out)
+
+    cublaslt.ALGOS.clear()
+    cublaslt.matmul(a, b, out, beta=1.0, candidates=4, max_workspace=0, reference=reference)
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-4)
+    cublaslt.matmul(a, b, out, beta=1.0, candidates=4, max_workspace=0, reference=reference)
+    torch.testing.assert_close(out, expect + a.float() @ b.float(), rtol=1e-5, atol=1e-4)
+    real_calls = [u for u in used if u[1]]  # timing ran it on a zero stand-in for b
+    assert real_calls == ([(1.0, True)] * 2 if pick == "reference" else [])
