@@ -3,7 +3,8 @@
 Forward computes the loss and, when gradients are wanted, dx and dw in the same pass: the loss
 is the last op of the model, so the backward only scales them by the upstream gradient (3 GEMMs,
 not 4). reduction="none" cannot be precomputed that way (each row's upstream gradient is unknown
-in forward), so its backward runs the pass again with those per-row weights.
+in forward), so its backward runs the pass again with those per-row weights. The chunk GEMMs go
+through cublaslt.py (algorithms chosen by timing, CONFIGS "gemm").
 """
 
 import functools
