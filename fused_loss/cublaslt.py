@@ -99,6 +99,16 @@ def _lib():
     )
 
 
+@functools.cache
+def available():
+    """Whether libcublasLt loads here (the fused loss then uses torch's GEMMs if it does not)."""
+    try:
+        _lib()
+    except (RuntimeError, AttributeError):  # not found, or a library without these functions
+        return False
+    return True
+
+
 def _check(status, what):
     if status != 0:
         raise RuntimeError(f"cuBLASLt {what} failed with status {status}")

@@ -9,6 +9,7 @@ through cublaslt.py (algorithms chosen by timing, CONFIGS "gemm").
 
 import functools
 import os
+import warnings
 
 import torch
 import triton
@@ -118,7 +119,7 @@ def _gemm(out, a, b, cfg, accumulate=False, tune_accumulate=False):
     timed on the first call of each shape (CONFIGS); else torch (cuBLAS's first pick).
     """
     beta = 1 if accumulate else 0
-    if a.device.type == "cuda" and cfg["gemm"] == "cublaslt" and a.dtype != torch.float32:
+    if a.device.type == "cuda" and cfg["gemm"] == "cublaslt" and a.dtype != torch.float32 and _lt():
         cublaslt.matmul(
             a,
             b,
@@ -131,6 +132,18 @@ def _gemm(out, a, b, cfg, accumulate=False, tune_accumulate=False):
         )
     else:
         _torch_gemm(out, beta, a, b)
+
+
+@functools.cache
+def _lt():
+    """cuBLASLt loads (once per process; a warning, and torch's GEMMs, when it does not)."""
+    if cublaslt.available():
+        return True
+    warnings.warn(
+        "fused_loss: libcublasLt not found; the chunk GEMMs fall back to torch's calls",
+        stacklevel=3,
+    )
+    return False
 
 
 def _torch_gemm(out, beta, a, b):

@@ -30,6 +30,21 @@ def test_matmul_refuses_strided_outputs():
         cublaslt.matmul(a, b, torch.empty(4, 16), aux=torch.empty(16, 4).t())
 
 
+def test_available_is_false_without_the_library(monkeypatch):
+    """No libcublasLt to load: available() says so (the fused loss then uses torch's GEMMs and
+    warns once) instead of raising, and matmul's loader names the fallback for the MLP."""
+    monkeypatch.setattr(cublaslt, "_candidates", lambda: ["/nonexistent/libcublasLt.so.99"])
+    cublaslt._lib.cache_clear()
+    cublaslt.available.cache_clear()
+    try:
+        assert cublaslt.available() is False
+        with pytest.raises(RuntimeError, match="--mlp_impl=torch"):
+            cublaslt._lib()
+    finally:
+        cublaslt._lib.cache_clear()
+        cublaslt.available.cache_clear()
+
+
 def test_alignment_of_addresses():
     """The heuristic is told each operand's real alignment (its default assumes 256 bytes): a
     slice starting one bf16 element in is 2-byte aligned."""
