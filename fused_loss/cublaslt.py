@@ -28,6 +28,7 @@ import ctypes
 import functools
 import glob
 import os
+import warnings
 
 import torch
 
@@ -93,18 +94,17 @@ def _lib():
             getattr(lib, fn).argtypes = args
             getattr(lib, fn).restype = i32
         return lib
-    raise RuntimeError(
-        "cuBLASLt (libcublasLt) not found next to torch: the MLP's GELU epilogues need it; "
-        "train with --mlp_impl=torch instead"
-    )
+    raise RuntimeError("cuBLASLt (libcublasLt) not found next to torch")
 
 
 @functools.cache
 def available():
-    """Whether libcublasLt loads here (the fused loss then uses torch's GEMMs if it does not)."""
+    """Whether libcublasLt loads here; once per process, with a warning when it does not (the
+    MLP and the fused loss then run torch's GEMMs)."""
     try:
         _lib()
-    except (RuntimeError, AttributeError):  # not found, or a library without these functions
+    except (RuntimeError, AttributeError) as e:  # not found, or a library without these functions
+        warnings.warn(f"{e}; the MLP and the fused loss use torch's GEMMs", stacklevel=2)
         return False
     return True
 

@@ -9,7 +9,6 @@ through cublaslt.py (algorithms chosen by timing, CONFIGS "gemm").
 
 import functools
 import os
-import warnings
 
 import torch
 import triton
@@ -119,7 +118,12 @@ def _gemm(out, a, b, cfg, accumulate=False, tune_accumulate=False):
     timed on the first call of each shape (CONFIGS); else torch (cuBLAS's first pick).
     """
     beta = 1 if accumulate else 0
-    if a.device.type == "cuda" and cfg["gemm"] == "cublaslt" and a.dtype != torch.float32 and _lt():
+    if (
+        a.device.type == "cuda"
+        and cfg["gemm"] == "cublaslt"
+        and a.dtype != torch.float32
+        and cublaslt.available()
+    ):
         cublaslt.matmul(
             a,
             b,
@@ -132,18 +136,6 @@ def _gemm(out, a, b, cfg, accumulate=False, tune_accumulate=False):
         )
     else:
         _torch_gemm(out, beta, a, b)
-
-
-@functools.cache
-def _lt():
-    """cuBLASLt loads (once per process; a warning, and torch's GEMMs, when it does not)."""
-    if cublaslt.available():
-        return True
-    warnings.warn(
-        "fused_loss: libcublasLt not found; the chunk GEMMs fall back to torch's calls",
-        stacklevel=3,
-    )
-    return False
 
 
 def _torch_gemm(out, beta, a, b):
