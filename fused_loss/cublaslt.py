@@ -258,8 +258,8 @@ def matmul(
         ops = _timing_operands(a, b, beta)
         if ops is not None:
             tune = beta if tune_beta is None else tune_beta
-            runs = [functools.partial(launch, r.algo, tune, **ops) for r in found if r.state == 0]
             algos = [r.algo for r in found if r.state == 0]
+            runs = [functools.partial(launch, algo, tune, **ops) for algo in algos]
             if reference is not None:  # the caller's own GEMM, one more candidate
                 runs.append(lambda: reference(tune, **ops) or 0)
                 algos.append(REFERENCE)
