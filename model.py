@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
+from fused_loss import cublaslt, fused_linear_cross_entropy, linear_cross_entropy_reference
 from fused_loss.mlp import mlp_cublaslt, mlp_reference
 
 # name -> (n_layer, n_head, n_embd); block size 1024, vocab 50257 for all of them.
@@ -178,12 +178,16 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
-        self.impl = config.mlp_impl
+        # Decided here, once: probing for libcublasLt (ctypes) inside the forward would break
+        # torch.compile's graph (tests/test_model.py checks that the forward reaches no probe)
+        self.use_cublaslt = (
+            config.mlp_impl == "cublaslt" and torch.cuda.is_available() and cublaslt.available()
+        )
 
     def forward(self, x):
         w = (self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias)
         # mlp_cublaslt: None where it does not apply (CPU, fp32 matmuls)
-        out = mlp_cublaslt(x, *w) if self.impl == "cublaslt" else None
+        out = mlp_cublaslt(x, *w) if self.use_cublaslt else None
         return self.dropout(mlp_reference(x, *w) if out is None else out)
 
 

@@ -18,14 +18,17 @@ can differ from torch's by a rounding; the errors against fp64 are no larger (te
 H200 (bench/RESULTS.md, session 20): 0.90x torch.compile's MLP fwd+bwd at 124M, 0.91x at 1558M.
 
 mlp_cublaslt is the entry point: None where it does not apply (no CUDA, no bf16/fp16 compute
-dtype, no biases, widths not multiples of 8, no loadable libcublasLt: a warning then), and the
-caller runs the torch path (mlp_reference).
+dtype, no biases, widths not multiples of 8), and the caller runs the torch path
+(mlp_reference). Whether libcublasLt loads at all (`cublaslt.available()`, ctypes) is the
+caller's to decide once, outside torch.compile's region: Dynamo cannot trace ctypes, and a
+probe inside the forward broke the compiled graph into pieces (model.MLP decides at
+construction).
 """
 
 import torch
 import torch.nn.functional as F
 
-from fused_loss.cublaslt import EPI_DGELU, EPI_GELU_AUX_BIAS, available, matmul
+from fused_loss.cublaslt import EPI_DGELU, EPI_GELU_AUX_BIAS, matmul
 
 
 @torch.library.custom_op("fused_loss::dgelu_mm", mutates_args=())
@@ -79,8 +82,9 @@ mlp_gelu.register_autograd(_backward, setup_context=_setup_context)
 
 def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj):
     """c_proj(gelu_tanh(c_fc(x))) for x (..., D) on CUDA, in bf16/fp16 or under such autocast;
-    None where the epilogues do not apply (the caller then runs mlp_reference)."""
-    if not x.is_cuda or b_fc is None or b_proj is None or not available():
+    None where the epilogues do not apply (the caller then runs mlp_reference). Only tensor
+    metadata is read here, so that Dynamo traces it into the graph."""
+    if not x.is_cuda or b_fc is None or b_proj is None:
         return None
     dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
     if dt not in (torch.bfloat16, torch.float16) or x.shape[-1] % 8 or w_fc.shape[0] % 8:
