@@ -1,8 +1,16 @@
-"""Training throughput of the real train.py, fused loss vs torch loss, on random tokens.
+"""Training throughput of the real train.py on random tokens: the default configuration against
+the plain one, or other loss implementations and train.py arguments.
 
-    python bench/throughput.py [--runs 124M:32,124M:64,350M:32,1558M:16] [--impls fused,torch]
-        [--steps 30] [--warmup 10] [--out DIR] [--profile 124M:32] [--max-batch auto]
+    python bench/throughput.py [--runs 124M:32,124M:64,350M:32,1558M:16:20:8]
+        [--impls default,plain] [--repeats 3] [--steps 30] [--warmup 10] [--out DIR]
+        [--profile 124M:32] [--max-batch auto]
         [--train-args= --train-args="--compile_mode='reduce-overhead'" ...]
+
+--impls names configurations (IMPLS): "default" (train.py's defaults), "plain" (every fast path
+off: materialised logits, torch MLP, torch's fused AdamW, fp32 residual stream; the stand-in for
+nanoGPT's path), "fused" / "torch" (only the loss switched). --repeats runs every (run, impl)
+that many times, interleaved, and the table gives the median, with each impl's ratio to "plain"
+when both ran. A run is model:batch, or model:batch:steps:warmup to override --steps/--warmup.
 
 Each run is a fresh process calling train.main (compiled model, bf16 autocast, fused AdamW, one
 micro-batch per step: total batch = B * 1024) on a shard of uniform random tokens. Reported per
@@ -37,11 +45,17 @@ sys.path.insert(0, ROOT)
 from data.shards import write_shard  # noqa: E402
 
 PRESETS = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
+PLAIN = ["--loss_impl='torch'", "--mlp_impl='torch'", "--adamw_impl='torch'"]
+PLAIN += ["--low_precision_residual=False"]
+IMPLS = {"default": [], "plain": PLAIN, "fused": ["--loss_impl='fused'"]}
+IMPLS["torch"] = ["--loss_impl='torch'"]
 
 # Runs inside the child: train, then report peak memory (and the profile when asked).
 CHILD = r"""
 import json, sys, torch, train
 args, profile = json.loads(sys.argv[1]), sys.argv[2] == "1"
+# the final checkpoint is not what is measured (1558M: 18.7 GB to write, minutes of the call)
+train.save_checkpoint = lambda obj, out_dir, step, keep_last: "nothing (benchmark)"
 if profile:  # steps 10-12 only: past compilation and warm-up, before the final checkpoint
     from torch.profiler import ProfilerActivity, profile as prof_ctx, schedule
     sched = schedule(wait=9, warmup=1, active=3, repeat=1)
@@ -76,7 +90,6 @@ def train_args(model, batch, impl, steps, dataset, out_dir):
     return [
         f"--model='{PRESETS[model]}'",
         f"--dataset='{dataset}'",
-        f"--loss_impl='{impl}'",
         f"--batch_size={batch}",
         f"--total_batch_size={batch * 1024}",
         f"--max_steps={steps}",
@@ -87,6 +100,7 @@ def train_args(model, batch, impl, steps, dataset, out_dir):
         "--ckpt_interval=0",
         "--keep_last=1",
         f"--out_dir='{out_dir}'",
+        *IMPLS[impl],
     ]
 
 
@@ -166,10 +180,60 @@ def max_batch_candidates(runs, impl, capacity_gib=None):
     return [int(pred * f) // 8 * 8 for f in (0.95, 0.85)]
 
 
+def summarise(runs):
+    """One row per (model, batch, impl, train args): the median over its repeats, and the ratio
+    of its median tok/s to the "plain" impl's of the same model, batch and train args."""
+    groups = {}
+    for r in runs:
+        groups.setdefault((r["model"], r["batch"], r["impl"], r.get("train_args", "")), []).append(
+            r
+        )
+    rows = []
+    for (model, batch, impl, extra), rs in groups.items():
+        ok = [r for r in rs if r["rc"] == 0]
+        row = dict(model=model, batch=batch, impl=impl, train_args=extra, n=len(ok), of=len(rs))
+        if ok:
+            for k in ("ms", "tok_per_s", "peak_gib", "loss_first", "loss_last"):
+                row[k] = statistics.median(r[k] for r in ok)
+            row["tok_per_s_all"] = [round(r["tok_per_s"]) for r in ok]
+            row["mfu"] = statistics.median(r["mfu"] for r in ok) if ok[0].get("mfu") else None
+        else:
+            row["error"] = rs[-1].get("error", "")
+        rows.append(row)
+    for row in rows:
+        base = [b for b in rows if b["impl"] == "plain" and "tok_per_s" in b]
+        base = [b for b in base if (b["model"], b["batch"], b["train_args"]) == (
+            row["model"], row["batch"], row["train_args"])]  # fmt: skip
+        if base and "tok_per_s" in row:
+            row["vs_plain"] = row["tok_per_s"] / base[0]["tok_per_s"]
+            row["peak_vs_plain"] = row["peak_gib"] / base[0]["peak_gib"]
+    return rows
+
+
+def print_table(runs):
+    cols = "model | batch | impl | train args | runs | ms/step | tok/s (median; each) | vs plain"
+    print(f"\n| {cols} | MFU | peak GiB | loss 1st, last |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in summarise(runs):
+        row = f"| {r['model']} | {r['batch']} | {r['impl']} | {r['train_args']} |"
+        row += f" {r['n']}/{r['of']} |"
+        if not r["n"]:
+            print(f"{row} error: {r['error'][-120:]} |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+        each = ", ".join(f"{t / 1000:.1f}K" for t in r["tok_per_s_all"])
+        ratio = f"{r['vs_plain']:.3f}x" if "vs_plain" in r else ""
+        print(
+            f"{row} {r['ms']:.1f} | {r['tok_per_s']:,.0f} ({each}) | {ratio} | {mfu} | "
+            f"{r['peak_gib']:.2f} | {r['loss_first']:.4f}, {r['loss_last']:.4f} |"
+        )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", default="124M:32,124M:64,350M:32,1558M:16")
-    ap.add_argument("--impls", default="fused,torch")
+    ap.add_argument("--impls", default="default,plain", help=f"of {sorted(IMPLS)}")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each, interleaved; median")
     ap.add_argument(
         "--train-args",
         action="append",
@@ -197,20 +261,21 @@ def main():
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
 
-    for spec in [s for s in args.runs.split(",") if s]:
-        model, batch = spec.split(":")
+    specs = [s for s in args.runs.split(",") if s]
+    for spec, rep in [(s, r) for s in specs for r in range(args.repeats)]:
+        model, batch, steps, warmup = (spec.split(":") + [args.steps, args.warmup])[:4]
         for impl in args.impls.split(","):
             for k, extra in enumerate(args.train_args or [""]):
-                name = f"{model}_b{batch}_{impl}" + (f"_v{k}" if extra else "")
+                name = f"{model}_b{batch}_{impl}" + (f"_v{k}" if extra else "") + f"_r{rep}"
                 out_dir = os.path.join(work, name)
                 subprocess.run(["rm", "-rf", out_dir])
-                cli = train_args(model, int(batch), impl, args.steps, dataset, out_dir)
+                cli = train_args(model, int(batch), impl, int(steps), dataset, out_dir)
                 cli += shlex.split(extra)
                 res = dict(model=model, batch=int(batch), impl=impl, **run_child(cli))
-                res["train_args"] = extra
+                res["train_args"], res["repeat"] = extra, rep
                 log = os.path.join(out_dir, "log.jsonl")
                 if res["rc"] == 0:
-                    res.update(step_stats(log, args.warmup))
+                    res.update(step_stats(log, int(warmup)))
                     shutil.copy(log, os.path.join(args.out, f"log_{name}.jsonl"))
                 results["runs"].append(res)
                 print(json.dumps(res), flush=True)
@@ -219,7 +284,7 @@ def main():
         model, batch = args.profile.split(":")
         out_dir = os.path.join(work, "profile")
         subprocess.run(["rm", "-rf", out_dir])
-        cli = train_args(model, int(batch), "fused", 16, dataset, out_dir) + shlex.split(extra)
+        cli = train_args(model, int(batch), "default", 16, dataset, out_dir) + shlex.split(extra)
         res = run_child(cli, profile=True)
         results["profiles"].append(
             dict(model=model, batch=int(batch), steps=3, train_args=extra, **res)
@@ -244,19 +309,7 @@ def main():
             if res["fits"]:
                 break
 
-    cols = "model | batch | loss | train args | ms/step | tok/s | MFU | peak GiB | loss 1st, last"
-    print(f"\n| {cols} |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results["runs"]:
-        row = f"| {r['model']} | {r['batch']} | {r['impl']} | {r.get('train_args', '')} |"
-        if r["rc"]:
-            print(f"{row} error: {r['error'][-120:]} |")
-            continue
-        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
-        print(
-            f"{row} {r['ms']:.1f} | {r['tok_per_s']:,.0f} | {mfu} | {r['peak_gib']:.2f} | "
-            f"{r['loss_first']:.4f}, {r['loss_last']:.4f} |"
-        )
+    print_table(results["runs"])
     for r in first_loss_outliers(results["runs"]):
         print(
             f"WARNING: {r['model']} b{r['batch']} {r['impl']} {r.get('train_args', '')!r}: first "

@@ -92,3 +92,24 @@ def test_throughput_keeps_the_allocators_words_on_out_of_memory():
     assert detail.startswith("Tried to allocate 23.02 GiB") and "127.30 GiB memory in use" in detail
     assert detail.endswith("15.10 GiB is reserved by PyTorch but unallocated.")
     assert throughput.oom_detail("RuntimeError: something else") == ""
+
+
+def test_throughput_summary_takes_medians_and_the_ratio_to_plain():
+    """--repeats: one row per configuration with the median of its runs, and tok/s and peak
+    memory over the plain configuration's of the same model and batch."""
+
+    def r(impl, tok, peak, rc=0, model="124M"):
+        stats = dict(ms=1e3 / tok, tok_per_s=tok, peak_gib=peak, loss_first=11.0, loss_last=10.0)
+        return dict(model=model, batch=32, impl=impl, rc=rc, train_args="", mfu=0.5, **stats)
+
+    runs = [r("default", t, 11.0) for t in (600.0, 590.0, 610.0)]
+    runs += [r("plain", t, 22.0) for t in (500.0, 480.0)] + [r("plain", 1.0, 1.0, rc=1)]
+    runs += [r("default", 50.0, 60.0, model="1558M")]  # no plain run of its own: no ratio
+    rows = {(x["model"], x["impl"]): x for x in throughput.summarise(runs)}
+    assert rows["124M", "default"]["tok_per_s"] == 600.0
+    assert rows["124M", "plain"]["tok_per_s"] == 490.0 and rows["124M", "plain"]["n"] == 2
+    assert rows["124M", "plain"]["of"] == 3
+    assert rows["124M", "default"]["vs_plain"] == pytest.approx(600 / 490)
+    assert rows["124M", "default"]["peak_vs_plain"] == pytest.approx(0.5)
+    assert "vs_plain" not in rows["1558M", "default"]
+    assert throughput.train_args("124M", 32, "plain", 5, "d", "o")[-4:] == throughput.PLAIN
