@@ -6,33 +6,44 @@
 #
 # 1. every GPU test: pytest -m gpu tests/
 # 2. the throughput pair, train.py's defaults against the plain path (materialised logits, torch
-#    MLP, torch's fused AdamW, fp32 residual stream), 124M at micro-batch 32 and 1558M at 16,
-#    REPEATS runs of each, interleaved, medians and ratios (bench/throughput.py)
-# Then one short table. Exit status: pytest's, else throughput.py's.
-# Environment: PYTHON (default python3), REPEATS (3), RUNS (the model:batch[:steps:warmup] list),
-# GATE_COMMIT (the commit named in the table, when the copy has no .git).
+#    MLP, torch's fused AdamW, fp32 residual stream), 124M at micro-batch 32 (REPEATS runs of
+#    each, interleaved: medians and ratios) and 1558M at 16 (REPEATS_LARGE runs: a cold 1558M
+#    pair takes ~260 s, so three of them do not fit the device's 600 s a call with the rest)
+# Then one short table. Exit status: pytest's, else throughput.py's. About 9 minutes on an H200.
+# Environment: PYTHON (default python3), REPEATS (3), REPEATS_LARGE (1), RUNS / RUNS_LARGE (the
+# model:batch[:steps:warmup] lists), GATE_COMMIT (the commit the table names, when the copy has no
+# .git), WORKERS (pytest-xdist processes for the tests when it is installed, default 4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-${OUT:-out/gpu_gate}}
+out=${1:-${OUT:-out/gpu_gate}}  # the table and the JSON; the runs' logs stay in out/gpu_gate/
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-runs=${RUNS:-124M:32:30:10,1558M:16:16:6}
+xdist=()  # the GPU tests are independent: several processes share the one GPU
+$py -c "import xdist" 2>/dev/null && xdist=(-n "${WORKERS:-4}")
 
 start=$(date +%s)
-$py -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$out/gate_pytest.txt"
+$py -m pytest -q -m gpu tests/ -p no:cacheprovider "${xdist[@]}" 2>&1 | tee "$out/gate_pytest.txt"
 rc_tests=${PIPESTATUS[0]}
 tests_s=$(($(date +%s) - start))
 
-$py bench/throughput.py --runs "$runs" --impls default,plain --repeats "${REPEATS:-3}" \
-    --out "$out" 2>&1 | tee "$out/gate_throughput.txt"
-rc_speed=${PIPESTATUS[0]}
+rc_speed=0
+for pair in "${RUNS:-124M:32:30:10} ${REPEATS:-3}" "${RUNS_LARGE:-1558M:16:16:6} ${REPEATS_LARGE:-1}"; do
+    read -r runs repeats <<<"$pair"
+    [ -z "$runs" ] && continue
+    $py bench/throughput.py --runs "$runs" --impls default,plain --repeats "$repeats" \
+        --out "out/gpu_gate/${runs%%:*}" 2>&1 | tee -a "$out/gate_throughput.txt"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -ne 0 ] && rc_speed=$rc
+    cp "out/gpu_gate/${runs%%:*}/throughput.json" "$out/gate_throughput_${runs%%:*}.json"
+done
 
 echo
 echo "## GPU gate: ${GATE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}, $(date -u +%F)"
 $py -c "import torch, triton; print(f'{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}')"
 echo "pytest -m gpu tests/ (${tests_s} s): $(grep -E '(passed|failed|error)' "$out/gate_pytest.txt" | tail -1)"
-sed -n '/^| model | batch | impl/,$p' "$out/gate_throughput.txt"
+sed -n '/^| model | batch | impl/,/^$/p' "$out/gate_throughput.txt" | grep '^|'
+grep WARNING "$out/gate_throughput.txt"
 echo "total $(($(date +%s) - start)) s"
 [ "$rc_tests" -ne 0 ] && exit "$rc_tests"
 exit "$rc_speed"
