@@ -665,6 +665,8 @@ def main(argv=None, train_loader=DataLoader):
         raw_model = GPT(model_config).to(device)
         optimizer = build_optimizer(raw_model, cfg, device)
         start_step, ckpts, notes = 0, list_checkpoints(cfg.out_dir), []
+        if train_loader is not DataLoader:
+            notes.append(f"train batches from {train_loader.__name__}, not data.loader.DataLoader")
         if ckpts and not cfg.resume:
             raise ConfigError(
                 f"out_dir {cfg.out_dir!r} already holds checkpoints ({ckpts[-1]}); "
