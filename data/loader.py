@@ -80,7 +80,9 @@ class _Transfer:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
-            self.host = [torch.empty(self.shape, dtype=torch.int64, pin_memory=True) for _ in "ab"]
+            self.host = [
+                torch.empty(self.shape, dtype=torch.int64, pin_memory=True) for _ in range(2)
+            ]
             self.events = [None, None]
             self.i = 0
 
