@@ -45,6 +45,9 @@ class TrainConfig:
 
     # data: "embedded" (small text shipped in the repo) or a directory of llm.c shards
     dataset: str = "embedded"
+    # a new order of the training windows every epoch, from seed (data/loader.py); False: the
+    # shards' own order. Validation is never shuffled
+    shuffle: bool = True
     # model: a preset ("gpt2"/"124M", ..., "gpt2-xl") sets the shape fields below unless they are
     # given explicitly too; "" leaves them as written here
     model: str = ""
@@ -236,6 +239,7 @@ def _check_ranges(cfg):
         "sample_tokens",
         "ckpt_interval",
         "keep_last",
+        "seed",  # the data order's generators take no negative seeds
     )
     for key in positive + non_negative:
         value = getattr(cfg, key)
@@ -586,7 +590,9 @@ def clipped_step(optimizer, params, max_norm):
     return norm
 
 
-def main(argv=None):
+def main(argv=None, train_loader=DataLoader):
+    """train_loader: the training batches' source, called like DataLoader (bench/parity.py
+    passes a reference sampler)."""
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         defaults = "\n".join(f"  --{k}={v!r}" for k, v in asdict(TrainConfig()).items())
@@ -641,7 +647,10 @@ def main(argv=None):
             dist.barrier()
         if local_rank != 0:
             train_glob, val_glob = resolve_dataset(cfg.dataset)
-        loader = DataLoader(train_glob, cfg.batch_size, T, rank, world_size, device=device)
+        order = dict(shuffle=cfg.shuffle, seed=cfg.seed)
+        loader = train_loader(
+            train_glob, cfg.batch_size, T, rank, world_size, device=device, **order
+        )
         hs_path = cfg.hellaswag_path or str(hellaswag.DEFAULT_PATH)
         if cfg.hellaswag and not os.path.isfile(hs_path):
             raise ConfigError(
@@ -657,6 +666,8 @@ def main(argv=None):
             raw_model = GPT(model_config)
         optimizer = build_optimizer(raw_model, cfg, device)
         start_step, ckpts, notes = 0, list_checkpoints(cfg.out_dir), []
+        if train_loader is not DataLoader:
+            notes.append(f"train batches from {train_loader.__name__}, not data.loader.DataLoader")
         if ckpts and not cfg.resume:
             raise ConfigError(
                 f"out_dir {cfg.out_dir!r} already holds checkpoints ({ckpts[-1]}); "
@@ -675,9 +686,11 @@ def main(argv=None):
                 )
             raw_model.load_state_dict(ckpt["model"])
             load_optimizer_state(optimizer, ckpt["optimizer"])
-            loader.load_state_dict(ckpt["loader"])  # one position for all ranks, any world size
+            note = loader.load_state_dict(ckpt["loader"])  # one position for all ranks, any W
             start_step = ckpt["step"]
             notes.append(f"resumed from {ckpts[-1]} at step {start_step}")
+            if note:  # the checkpoint's data order is not the one cfg asks for; it continues
+                notes.append(note)
             if len(ckpt["rng"]["torch"]) == world_size:
                 set_rng_state(ckpt["rng"], rank, device)
             else:  # the data order still continues exactly; dropout masks cannot

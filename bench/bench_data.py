@@ -7,9 +7,10 @@ prepare: `python -m data.fineweb --from-text INPUT` end to end (interpreter star
 decompress, [EOT] + encode_ordinary in a process pool, pack into shards, write), per worker count;
 "tiktoken alone" is single-process encode_ordinary on documents already in memory.
 loader: DataLoader.next_batch() at B=32, T=1024 on two 50M-token shards (synthetic ids: the loader
-never looks at values), so shard switches and their id check are included; on CUDA also the pinned,
-non-blocking copy to the GPU (synchronised at the end). Target: >= 12M tokens/s (20x the 124M
-training rate on an H200), so data loading is never the bottleneck.
+never looks at values), so shard switches and their id check are included, shuffled (the default:
+B windows gathered from random places) and in order; on CUDA also the pinned, non-blocking copy to
+the GPU (synchronised at the end). Target: >= 12M tokens/s (20x the 124M training rate on an
+H200), so data loading is never the bottleneck.
 """
 
 import argparse
@@ -54,13 +55,13 @@ def bench_prepare(path, workers, tmp):
         print(f"  prepare, workers={w}:      {dt:6.2f} s  {ntok / dt / 1e6:6.2f} M tok/s")
 
 
-def bench_loader(tmp, B, T, steps, device):
+def bench_loader(tmp, B, T, steps, device, shuffle):
     rng = np.random.default_rng(0)
     for i in range(2):
         path = Path(tmp) / f"bench_train_{i + 1:06d}.bin"
         if not path.exists():
             write_shard(path, rng.integers(0, 50257, 50_000_000, dtype=np.uint16))
-    loader = DataLoader(str(Path(tmp) / "bench_train_*.bin"), B, T, device=device)
+    loader = DataLoader(str(Path(tmp) / "bench_train_*.bin"), B, T, device=device, shuffle=shuffle)
     for _ in range(20):  # warm the page cache and the allocator
         loader.next_batch()
     loader.reset()
@@ -71,9 +72,11 @@ def bench_loader(tmp, B, T, steps, device):
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     rate = steps * B * T / dt
+    order = "shuffled" if shuffle else "in order"
     print(
-        f"loader {device.type}: B={B} T={T} {steps} steps ({steps * B * T / 1e6:.0f}M tokens, "
-        f"epoch {loader.epoch}) in {dt:.2f} s: {rate / 1e6:8.1f} M tok/s, "
+        f"loader {device.type}, {order}: B={B} T={T} {steps} steps "
+        f"({steps * B * T / 1e6:.0f}M tokens, epoch {loader.epoch}) in {dt:.2f} s: "
+        f"{rate / 1e6:8.1f} M tok/s, "
         f"{dt / steps * 1e6:7.1f} us/batch  [{'OK' if rate >= 12e6 else 'BELOW'} vs 12M tok/s]"
     )
 
@@ -92,9 +95,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_prepare:
             bench_prepare(args.input, args.workers, tmp)
-        bench_loader(tmp, 32, 1024, args.steps, torch.device("cpu"))
-        if torch.cuda.is_available():
-            bench_loader(tmp, 32, 1024, args.steps, torch.device("cuda"))
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        for device in devices:
+            for shuffle in (True, False):
+                bench_loader(tmp, 32, 1024, args.steps, torch.device(device), shuffle)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The benchmark scripts' own arithmetic (no GPU): step statistics, the first-loss check,
-bench_fused_loss's --set parsing, and bench_adamw's Triton AdamW against torch's (in the Triton
-interpreter, see conftest.py)."""
+bench_fused_loss's --set parsing, bench_adamw's Triton AdamW against torch's (in the Triton
+interpreter, see conftest.py), and parity.py's reference sampler."""
 
 import json
 import os
@@ -10,6 +10,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import bench_adamw  # noqa: E402
 import bench_fused_loss  # noqa: E402
+import numpy as np  # noqa: E402
+import parity  # noqa: E402
 import pytest  # noqa: E402
 import throughput  # noqa: E402
 import torch  # noqa: E402
@@ -113,3 +115,33 @@ def test_throughput_summary_takes_medians_and_the_ratio_to_plain():
     assert rows["124M", "default"]["peak_vs_plain"] == pytest.approx(0.5)
     assert "vs_plain" not in rows["1558M", "default"]
     assert throughput.train_args("124M", 32, "plain", 5, "d", "o")[-4:] == throughput.PLAIN
+
+
+def test_parity_reference_draws_random_windows_of_all_train_tokens(tmp_path):
+    """RandomWindows: rows are T+1 consecutive tokens of the shards laid end to end, at offsets
+    drawn with replacement over all of them; seeded per rank; its state continues the stream."""
+    from data.shards import write_shard
+
+    write_shard(tmp_path / "c_train_000001.bin", np.arange(300))  # token = position
+    write_shard(tmp_path / "c_train_000002.bin", np.arange(300, 500))
+    pattern = str(tmp_path / "c_train_*.bin")
+    a = parity.RandomWindows(pattern, 8, 16, seed=3)
+    firsts = []
+    for _ in range(50):
+        x, y = a.next_batch()
+        assert x.shape == y.shape == (8, 16) and x.dtype == torch.int64
+        assert torch.equal(x, x[:, :1] + torch.arange(16)) and torch.equal(y, x + 1)
+        firsts += x[:, 0].tolist()
+    assert 0 <= min(firsts) and max(firsts) <= 500 - 17
+    assert min(firsts) < 300 - 16 < max(firsts)  # from both shards
+    assert any(300 - 16 < f < 300 for f in firsts)  # and across their seam: one stream
+    assert len(set(firsts)) < len(firsts)  # with replacement: 400 draws of 484 offsets repeat
+    state = a.state_dict()
+    expected = [a.next_batch()[0] for _ in range(3)]
+    b = parity.RandomWindows(pattern, 8, 16, seed=3)
+    b.load_state_dict(state)
+    assert all(torch.equal(e, b.next_batch()[0]) for e in expected)
+    other = parity.RandomWindows(pattern, 8, 16, rank=1, world_size=2, seed=3)
+    assert not torch.equal(
+        other.next_batch()[0], parity.RandomWindows(pattern, 8, 16, seed=3).next_batch()[0]
+    )

@@ -73,6 +73,8 @@ def test_preset_sets_shape_and_explicit_keys_win():
         (["--buffer_reuse=some"], "buffer_reuse"),
         (["--ddp_compile=both"], "ddp_compile"),
         (["--model=gpt9"], "model"),
+        (["--seed=-1"], "seed"),
+        (["--shuffle=0"], "shuffle"),
     ],
 )
 def test_bad_cli_arguments_name_the_key(argv, key):

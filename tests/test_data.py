@@ -409,7 +409,8 @@ def reference_windows(arrays, B, T, W, rank, steps):
 
 
 @pytest.mark.parametrize("B, T, W", [(2, 16, 1), (3, 8, 2), (1, 32, 3), (4, 5, 4)])
-def test_loader_matches_numpy_reference(tmp_path, B, T, W):
+def test_loader_unshuffled_matches_numpy_reference(tmp_path, B, T, W):
+    """shuffle=False: the contiguous order the loader had before it shuffled, token for token."""
     step = B * T * W  # a shard of exactly k steps + 1 token holds k steps, of k steps only k - 1
     pattern, arrays = make_shards(tmp_path, [1000, 401, 5 * step + 1, 777, 5 * step])
     steps = 0
@@ -417,10 +418,11 @@ def test_loader_matches_numpy_reference(tmp_path, B, T, W):
         steps += (len(a) - 1) // (B * T * W)
     steps = 2 * steps + 3  # two full epochs and a bit: wraps to the first shard twice
     for rank in range(W):
-        loader = DataLoader(pattern, B, T, rank=rank, world_size=W)
+        loader = DataLoader(pattern, B, T, rank=rank, world_size=W, shuffle=False)
         for x_ref, y_ref, epoch in reference_windows(arrays, B, T, W, rank, steps):
             x, y = loader.next_batch()
             assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (B, T)
+            assert x.is_contiguous() and y.is_contiguous()
             assert np.array_equal(x.numpy(), x_ref) and np.array_equal(y.numpy(), y_ref)
             assert loader.epoch == epoch
         assert loader.epoch == 2
@@ -431,22 +433,23 @@ def test_loader_matches_numpy_reference(tmp_path, B, T, W):
         )
 
 
-def test_loader_ranks_read_disjoint_contiguous_blocks(tmp_path):
+def test_loader_unshuffled_ranks_read_disjoint_contiguous_blocks(tmp_path):
     pattern, arrays = make_shards(tmp_path, [5000])
     B, T, W = 2, 10, 3
-    loaders = [DataLoader(pattern, B, T, rank=r, world_size=W) for r in range(W)]
+    loaders = [DataLoader(pattern, B, T, rank=r, world_size=W, shuffle=False) for r in range(W)]
     for step in range(3):
         block = torch.cat([ld.next_batch()[0].reshape(-1) for ld in loaders])
         start = step * B * T * W
         assert np.array_equal(block.numpy(), arrays[0][start : start + B * T * W])
 
 
-def test_loader_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_loader_resumes_exactly(tmp_path, shuffle):
     pattern, _ = make_shards(tmp_path, [600, 300, 450])
     B, T, W = 2, 12, 2
     for rank in range(W):
         for k in (0, 5, 11, 17, 26, 27, 30):  # 27 steps per epoch: around shard changes and wraps
-            a = DataLoader(pattern, B, T, rank=rank, world_size=W)
+            a = DataLoader(pattern, B, T, rank=rank, world_size=W, shuffle=shuffle, seed=7)
             for _ in range(k):
                 a.next_batch()
             ckpt = tmp_path / "ckpt.pt"
@@ -454,14 +457,152 @@ def test_loader_resumes_exactly(tmp_path):
             expected = [a.next_batch() for _ in range(25)]
             state = torch.load(ckpt, weights_only=True)["loader"]
             assert all(isinstance(v, (int, str)) for v in state.values())
-            b = DataLoader(pattern, B, T, rank=rank, world_size=W)
+            b = DataLoader(pattern, B, T, rank=rank, world_size=W, shuffle=shuffle, seed=7)
             b.next_batch()  # a fresh loader that already moved: state must override it
-            b.load_state_dict(state)
+            assert b.load_state_dict(state) is None  # the order it was made with: no notice
             for (x1, y1), (x2, y2) in zip(
                 expected, (b.next_batch() for _ in range(25)), strict=True
             ):
                 assert torch.equal(x1, x2) and torch.equal(y1, y2)
             assert a.epoch == b.epoch == (k + 25) // 27 and a.state_dict() == b.state_dict()
+
+
+# ---------------------------------------------------------------- loader: the shuffled order
+
+
+def make_counting_shards(tmp_path, sizes):
+    """Shards whose tokens count up across them (0, 1, 2, ... over all shards), so a row's first
+    token names its window: shard k, window (x[0] - starts[k]) // T. Returns pattern, starts."""
+    starts = np.cumsum([0, *sizes])
+    assert starts[-1] <= 50257
+    for i, n in enumerate(sizes):
+        write_shard(tmp_path / f"c_train_{i + 1:06d}.bin", np.arange(starts[i], starts[i] + n))
+    return str(tmp_path / "c_train_*.bin"), starts[:-1]
+
+
+def epoch_windows(loaders, steps):
+    """The first tokens of the rows the loaders (one per rank) give in `steps` steps: (steps, W*B),
+    rank 0's rows first in each step; each row is checked to be a whole window."""
+    out = []
+    for _ in range(steps):
+        rows = []
+        for ld in loaders:
+            x, y = ld.next_batch()
+            T = x.shape[1]
+            assert torch.equal(x, x[:, :1] + torch.arange(T)) and torch.equal(y, x + 1)
+            rows += x[:, 0].tolist()
+        out.append(rows)
+    return np.array(out)
+
+
+SIZES = [1000, 401, 161, 777]  # 124, 50, 20, 97 windows at T=8: 10 + 4 + 1 + 8 = 23 steps of 12
+
+
+@pytest.mark.parametrize("B, W", [(12, 1), (6, 2), (3, 4), (4, 3)])
+def test_shuffled_epoch_draws_each_window_at_most_once(tmp_path, B, W):
+    """One epoch over all ranks: whole windows at stride T, none twice, each shard's windows all
+    but a tail of fewer than B*W, the shards one after another; the rows are not in order."""
+    pattern, starts = make_counting_shards(tmp_path, SIZES)
+    T = 8
+    loaders = [DataLoader(pattern, B, T, rank=r, world_size=W, seed=3) for r in range(W)]
+    firsts = epoch_windows(loaders, 23)
+    assert all(ld.epoch == 0 for ld in loaders)
+    flat = firsts.reshape(-1)
+    assert len(set(flat.tolist())) == flat.size  # disjoint across steps and ranks
+    shard = np.searchsorted(starts, flat, side="right") - 1
+    assert np.all((flat - starts[shard]) % T == 0)  # windows at stride T
+    runs = shard[np.r_[True, shard[1:] != shard[:-1]]]
+    assert sorted(runs.tolist()) == [0, 1, 2, 3]  # each shard once, in one run of steps
+    for k, n in enumerate(SIZES):
+        n_windows, used = (n - 1) // T, np.sum(shard == k)
+        assert used == n_windows // (B * W) * (B * W) and n_windows - used < B * W
+    assert not np.all(np.diff(flat[shard == runs[0]]) == T)  # shuffled, not contiguous
+    epoch_windows(loaders, 1)
+    assert all(ld.epoch == 1 for ld in loaders)
+
+
+def test_shuffled_order_is_seeded_new_each_epoch_and_independent_of_B_and_W(tmp_path):
+    pattern, _ = make_counting_shards(tmp_path, SIZES)
+    T, steps = 8, 23  # an epoch
+
+    def order(seed, B=12, W=1):
+        lds = [DataLoader(pattern, B, T, rank=r, world_size=W, seed=seed) for r in range(W)]
+        return epoch_windows(lds, 3 * steps).reshape(3, -1)  # (epoch, the epoch's windows)
+
+    a = order(1)
+    assert np.array_equal(a, order(1))  # deterministic
+    assert np.array_equal(a, order(1, B=6, W=2))  # the same global order for any B and W
+    assert np.array_equal(a, order(1, B=3, W=4))
+    for e in (1, 2):  # a new permutation each epoch (of mostly the same windows: tails differ)
+        assert not np.array_equal(a[e], a[0])
+        assert len(set(a[e].tolist()) & set(a[0].tolist())) > 0.8 * a.shape[1]
+    assert not np.array_equal(order(2)[0], a[0])  # another seed, another order
+
+
+def test_shuffled_resume_with_another_world_size_continues_the_epoch(tmp_path):
+    """2 ranks x B=6 for 5 steps, then resumed on 1 rank x B=12, 4 ranks x B=3 or 1 x B=5: the
+    windows continue exactly where they stopped; one epoch has still no window twice."""
+    pattern, _ = make_counting_shards(tmp_path, [1000])  # 124 windows
+    T = 8
+    ref = epoch_windows([DataLoader(pattern, 12, T, seed=5)], 10).reshape(-1)  # 120 windows
+    two = [DataLoader(pattern, 6, T, rank=r, world_size=2, seed=5) for r in range(2)]
+    before = epoch_windows(two, 5).reshape(-1)
+    assert np.array_equal(before, ref[:60])
+    for B, W in ((12, 1), (3, 4), (5, 1)):
+        lds = [DataLoader(pattern, B, T, rank=r, world_size=W, seed=5) for r in range(W)]
+        for ld in lds:
+            assert ld.load_state_dict(two[0].state_dict()) is None  # rank 0's state, all ranks
+        after = epoch_windows(lds, 60 // (B * W)).reshape(-1)
+        assert np.array_equal(after, ref[60 : 60 + len(after)])
+
+
+def test_loader_state_from_before_shuffling_resumes_in_order_with_a_notice(tmp_path):
+    """A state as the unshuffled loader wrote it (a token "position", no shuffle keys) continues
+    sequentially in a loader made to shuffle, and says so once; one written by a loader with
+    another seed continues in its order with a notice too. T may only change unshuffled."""
+    pattern, arrays = make_shards(tmp_path, [600, 300, 450])
+    B, T = 2, 12
+    seq = DataLoader(pattern, B, T, shuffle=False)
+    for _ in range(30):  # into epoch 1, shard 1
+        seq.next_batch()
+    new = seq.state_dict()
+    old = {k: new[k] for k in ("shard", "epoch", "shard_name", "num_shards")}
+    old["position"] = new["window"] * T
+    expected = [seq.next_batch()[0] for _ in range(30)]
+    loader = DataLoader(pattern, B, T, seed=1)
+    note = loader.load_state_dict(old)
+    assert "predates shuffling" in note and "sequential" in note and "\n" not in note
+    assert all(torch.equal(x, loader.next_batch()[0]) for x in expected)
+    assert loader.state_dict()["shuffle"] is False  # and it stays so in the next checkpoint
+    assert DataLoader(pattern, B, T, shuffle=False).load_state_dict(old) is None
+
+    a = DataLoader(pattern, B, T, seed=1)
+    a.next_batch()
+    b = DataLoader(pattern, B, T, seed=2)
+    assert b.load_state_dict(a.state_dict()) == (
+        "loader state has shuffle=True, seed=1: this run continues that order"
+    )
+    assert torch.equal(a.next_batch()[0], b.next_batch()[0])
+    with pytest.raises(ValueError, match="T=12, this loader has T=6"):
+        DataLoader(pattern, B, 6).load_state_dict(a.state_dict())
+    # unshuffled, another T resumes at the same token offset (rounded up to a whole window)
+    other_t = DataLoader(pattern, B, 5, shuffle=False)
+    other_t.load_state_dict(old)
+    start = -(-old["position"] // 5) * 5
+    assert np.array_equal(other_t.next_batch()[0][0].numpy(), arrays[1][start : start + 5])
+
+
+def test_shuffled_loader_keeps_one_int32_per_window_and_no_copy_of_the_tokens(tmp_path):
+    pattern, _ = make_shards(tmp_path, [5000, 3000])
+    loader = DataLoader(pattern, 4, 16)
+    loader.next_batch()
+    n = (read_header(loader.files[loader.file]) - 1) // 16
+    assert loader.order.dtype == np.int32 and loader.order.shape == (n,)
+    base = loader.windows
+    while not isinstance(base, np.memmap):  # the windows are a view of the memmapped file
+        assert base is not None, "the loader's windows are not a view of the shard's memmap"
+        base = base.base
+    assert not loader.windows.flags.writeable
 
 
 def test_loader_errors(tmp_path):

@@ -6,11 +6,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
 import train
 from conftest import read_log
+from data.loader import DataLoader
+from data.shards import write_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +26,8 @@ def torchrun_2(*args):
 
 def test_ddp_matches_single_process_accumulation(tiny_args, tmp_path):
     # total_batch_size 256 = B 4 x T 32 x (1 rank x 2 micro-steps | 2 ranks x 1 micro-step): the
-    # same tokens per step, as the loader gives rank r the window after rank r-1's
+    # same tokens per step, as the loader gives rank r the windows after rank r-1's in an order
+    # (shuffled by default) that does not depend on the world size
     args = tiny_args + ["--max_steps=6", "--eval_interval=3", "--ckpt_interval=3"]
     single, multi = tmp_path / "single", tmp_path / "ddp"
     train.main(args + [f"--out_dir={single}"])
@@ -100,6 +104,52 @@ def test_ddp_sigterm_to_torchrun_saves_then_resumes_on_one_process(tiny_args, tm
     train.main(args + [f"--max_steps={step + 2}", "--resume"])
     losses, _ = read_log(out)
     assert sorted(losses) == list(range(step + 2))
+
+
+LOADER_RANKS = """
+import sys
+import torch
+import torch.distributed as dist
+from data.loader import DataLoader
+
+dist.init_process_group("gloo")
+pattern, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+loader = DataLoader(pattern, 3, 8, dist.get_rank(), dist.get_world_size(), seed=11)
+mine = torch.stack([loader.next_batch()[0][:, 0] for _ in range(steps)])  # (steps, B) first ids
+every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+dist.all_gather(every, mine)
+if dist.get_rank() == 0:
+    torch.save(torch.stack(every, dim=1), out)  # (steps, W, B)
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_ranks_draw_disjoint_windows_that_cover_the_epoch(tmp_path):
+    """Two gloo processes under torchrun, each with its own shuffled DataLoader, over one epoch:
+    no window twice across ranks and steps, all windows but each shard's tail (< B*W) drawn, and
+    the same windows a single process with both ranks' loaders draws."""
+    write_shard(tmp_path / "c_train_000001.bin", np.arange(1000))  # token = position: 124 windows
+    write_shard(tmp_path / "c_train_000002.bin", np.arange(1000, 1401))  # 50 windows of T = 8
+    pattern, steps = str(tmp_path / "c_train_*.bin"), 124 // 6 + 50 // 6  # B*W = 3*2
+    script = tmp_path / "loader_ranks.py"
+    script.write_text(LOADER_RANKS)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd = [*launcher, str(script), pattern, str(steps), str(tmp_path / "firsts.pt")]
+    env = dict(os.environ, PYTHONPATH=REPO)
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    firsts = torch.load(tmp_path / "firsts.pt", weights_only=True)
+    flat = firsts.reshape(-1).tolist()
+    assert len(set(flat)) == len(flat) == steps * 6  # disjoint
+    first_shard = [f for f in flat if f < 1000]
+    assert len(first_shard) == 120 and all(f % 8 == 0 for f in first_shard)  # 124 - tail of 4
+    assert len(flat) - len(first_shard) == 48  # 50 - tail of 2
+    assert all((f - 1000) % 8 == 0 for f in flat if f >= 1000)
+    assert sorted(flat) != flat  # shuffled
+    sim = [DataLoader(pattern, 3, 8, r, 2, seed=11) for r in range(2)]
+    for step in range(steps):
+        for r in range(2):
+            assert torch.equal(sim[r].next_batch()[0][:, 0], firsts[step, r])
 
 
 def test_compiled_loss_check_agrees_across_ranks():

@@ -120,6 +120,28 @@ def test_exact_resume_after_kill(tiny_args, tmp_path):
     sa = torch.load(straight / "ckpt_0000012.pt", weights_only=True)
     sb = torch.load(killed / "ckpt_0000012.pt", weights_only=True)
     assert all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
+    assert sb["loader"] == sa["loader"] and sb["loader"]["shuffle"] is True  # the default order
+
+
+def test_loader_state_from_before_shuffling_resumes_in_order(tiny_args, tmp_path, capsys):
+    """A checkpoint whose loader state predates shuffling (a token position, no shuffle keys)
+    resumes in its sequential order, with a notice, under today's default --shuffle=True."""
+    args = tiny_args + [f"--out_dir={tmp_path}", "--eval_interval=0", "--keep_last=0"]
+    train.main(args + ["--shuffle=False", "--max_steps=4", "--ckpt_interval=2"])
+    straight, _ = read_log(tmp_path)
+    os.remove(tmp_path / "ckpt_0000004.pt")
+    path = tmp_path / "ckpt_0000002.pt"
+    ckpt = torch.load(path, weights_only=True)
+    state = ckpt["loader"]
+    ckpt["loader"] = {k: state[k] for k in ("epoch", "shard", "shard_name", "num_shards")}
+    ckpt["loader"]["position"] = state["window"] * 32  # tokens, as the old loader counted
+    torch.save(ckpt, path)
+    capsys.readouterr()
+    train.main(args + ["--max_steps=4", "--resume"])
+    text = capsys.readouterr().out
+    assert text.count("loader state predates shuffling") == 1
+    assert read_log(tmp_path)[0] == straight
+    assert torch.load(tmp_path / "ckpt_0000004.pt", weights_only=True)["loader"]["shuffle"] is False
 
 
 def test_ctrl_c_saves_and_exits_zero_then_resumes(tiny_args, tmp_path):
