@@ -7,8 +7,9 @@ gradient is exactly 0 and AdamW (decoupled decay) keeps them at 0. Logits are ne
 for them, so sampling can never emit an id >= vocab_size.
 
 Training calls `GPT.forward(idx, targets)`, which computes the loss from the final hidden
-states with `fused_loss` and never builds the (B, T, V) logits. Generation uses a KV cache
-through a separate path (`_decode`), so the training forward is plain nanoGPT.
+states with `fused_loss` and never builds the (B, T, V) logits. Generation (generate.py) runs
+the blocks through a KV cache on a separate path (`_decode`), so the training forward is plain
+nanoGPT.
 """
 
 import json
@@ -21,8 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import generate
 from fused_loss import cublaslt, fused_linear_cross_entropy, linear_cross_entropy_reference
 from fused_loss.mlp import mlp_cublaslt, mlp_reference
 
@@ -119,31 +120,6 @@ def pick_device(name="auto"):
     return device
 
 
-class KVCache:
-    """Keys and values of every layer for positions [0, pos), allocated up to block_size.
-
-    Buffers are allocated on first use with the batch size, dtype and device of the keys.
-    """
-
-    def __init__(self, n_layer, max_len):
-        self.k = [None] * n_layer  # each (B, nh, max_len, hs)
-        self.v = [None] * n_layer
-        self.max_len = max_len
-        self.pos = 0  # number of positions stored; advanced by GPT._decode after all layers
-
-    def update(self, layer, k, v):
-        """Store k, v (B, nh, T, hs) at [pos, pos + T); return keys, values (B, nh, pos + T, hs)."""
-        end = self.pos + k.size(2)
-        if end > self.max_len:
-            raise ValueError(f"KV cache overflow: {end} positions > max_len={self.max_len}")
-        if self.k[layer] is None:
-            shape = (k.size(0), k.size(1), self.max_len, k.size(3))
-            self.k[layer], self.v[layer] = k.new_empty(shape), v.new_empty(shape)
-        self.k[layer][:, :, self.pos : end] = k
-        self.v[layer][:, :, self.pos : end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -160,14 +136,19 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        mask = None
         if cache is not None:
-            k, v = cache.update(layer, k, v)  # (B, nh, pos + T, hs): every key so far
-        # training and prefill (pos = 0): causal over T; decoding one token: it sees every key
+            # the keys/values to attend to and a mask: a prefill gets its T new ones and None
+            # (causal among them), a decoding step the whole static cache (B, nh, max_len, hs)
+            # and its additive mask (1, 1, 1, max_len) (generate.py)
+            k, v, mask = cache.update(layer, k, v)
         dropout_p = self.dropout if self.training else 0.0
         # without a cache always causal (T == 1 too: one query, one key), so that no SymBool
         # reaches is_causal when a compiled model meets a second shape (dynamic shapes)
-        causal = cache is None or T > 1
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+        causal = cache is None or (mask is None and T > 1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
+        )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -308,64 +289,25 @@ class GPT(nn.Module):
             return x.to(torch.get_autocast_dtype(x.device.type))
         return x
 
-    def _decode(self, idx, cache):
-        """Run idx (B, T) at positions [cache.pos, cache.pos + T) through the blocks, storing
-        their keys/values in cache; return fp32 logits (B, 1, vocab_size) of the last one."""
-        T = idx.size(1)
-        if cache.pos > 0 and T > 1:  # would need a (T, pos + T) mask; generate never does this
-            raise ValueError("a non-empty KV cache takes one token at a time")
-        wpe = self.transformer.wpe.weight[cache.pos : cache.pos + T]  # a view: no arange, no gather
+    def _decode(self, idx, pos, cache):
+        """Run idx (B, T) at positions pos (a slice, or a (T,) int64 tensor) through the blocks,
+        whose attention stores and reads keys/values through cache.update (generate.py); return
+        the fp32 logits (B, vocab_size) of the last position."""
+        wpe = self.transformer.wpe.weight[pos]  # a slice is a view: no arange, no gather
         x = self._residual(self.transformer.drop(self.transformer.wte(idx) + wpe))
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache, i)
-        cache.pos += T
-        x = self.transformer.ln_f(x[:, [-1], :])
-        return self.lm_head(x)[..., : self.config.vocab_size].float()
+        x = self.transformer.ln_f(x[:, -1, :])
+        return self.lm_head(x)[:, : self.config.vocab_size].float()
 
-    @torch.no_grad()
     def generate(
-        self,
-        idx,
-        max_new_tokens,
-        temperature=1.0,
-        top_k=None,
-        top_p=None,
-        generator=None,
-        *,
-        use_cache=True,
+        self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None, **kw
     ):
-        """Extend idx (B, T) by max_new_tokens sampled ids; returns (B, T + max_new_tokens).
-
-        Each new token is conditioned on at most the last block_size tokens (crop, as nanoGPT):
-        prompts longer than block_size are cropped, and generation goes on past block_size.
-        With use_cache (default) the keys/values are kept in a KV cache and only the new token
-        is run per step; once the window is full it slides, which shifts every position, so
-        each step then re-runs the whole window (as full recompute does). use_cache=False
-        re-runs the window every step; both give the same tokens.
-        temperature=0 is greedy; top_k keeps the k most likely ids; top_p keeps the smallest set
-        whose probability is >= top_p. Call model.eval() first to turn dropout off.
-        """
-        self._check_idx(idx, check_length=False)
-        _check_sampling(max_new_tokens, temperature, top_k, top_p)
-        B, T0 = idx.shape
-        bs = self.config.block_size
-        out = idx.new_empty(B, T0 + max_new_tokens)
-        out[:, :T0] = idx
-        cache = KVCache(self.config.n_layer, bs) if use_cache else None
-        # cuDNN attention builds a plan per new key length: ~50 ms a token on an H200 (torch
-        # 2.11), as every step has a new length. Flash / mem-efficient kernels need no plan.
-        with sdpa_kernel(_GENERATE_SDPA_BACKENDS):
-            for t in range(T0, T0 + max_new_tokens):
-                if cache is None:
-                    logits = self(out[:, max(0, t - bs) : t])
-                elif 0 < cache.pos < bs:  # the cache holds out[:, :t-1] at their own positions
-                    logits = self._decode(out[:, t - 1 : t], cache)
-                else:  # first step, or the window slid: (re)fill the cache from the window
-                    cache.pos = 0
-                    logits = self._decode(out[:, max(0, t - bs) : t], cache)
-                next_id = _sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
-                out[:, t] = next_id[:, 0]
-        return out
+        """Extend idx (B, T) by max_new_tokens sampled ids: generate.generate (a static KV cache,
+        CUDA graphs, the context cropped to block_size as nanoGPT). Call model.eval() first."""
+        return generate.generate(
+            self, idx, max_new_tokens, temperature, top_k, top_p, generator, **kw
+        )
 
     @classmethod
     def _from_state_dict(cls, config, state_dict, map_location="cpu"):
@@ -510,47 +452,8 @@ class GPT(nn.Module):
         _write_safetensors(directory / "model.safetensors", tensors)
 
 
-_GENERATE_SDPA_BACKENDS = [
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-]
-
 # HF stores these as Conv1D, weight (in, out): the transpose of nn.Linear's (out, in).
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-
-def _check_sampling(max_new_tokens, temperature, top_k, top_p):
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
-
-
-def _sample_next(logits, temperature, top_k, top_p, generator):
-    """logits (B, V) -> next ids (B, 1) int64."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = F.softmax(sorted_logits, dim=-1)
-        # drop an id once the mass of the more likely ids already reaches top_p (never the first)
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    probs = F.softmax(logits, dim=-1)
-    # argmax(p / E) with E ~ Exp(1) i.i.d. is an exact draw from p (the exponential race, i.e.
-    # Gumbel-max); unlike torch.multinomial it needs no host sync on CUDA and is ~10x faster on CPU.
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / race).argmax(dim=-1, keepdim=True)
 
 
 def _read_hf_config(directory):
@@ -639,4 +542,4 @@ def _write_safetensors(path, tensors):
     tmp.replace(path)  # never leave a half-written file under the real name
 
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "checkpoint_settings", "pick_device"]
+__all__ = ["GPT", "GPTConfig", "checkpoint_settings", "pick_device"]

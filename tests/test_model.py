@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, _read_safetensors, _sample_next, _write_safetensors, pick_device
+from model import GPT, GPTConfig, _read_safetensors, _write_safetensors, pick_device
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_TINY = FIXTURES / "hf_gpt2_tiny"
@@ -179,90 +179,6 @@ def test_bad_targets_give_clear_errors():
         model(idx, torch.zeros(2, 7, dtype=torch.long))
     with pytest.raises(ValueError, match=f"target {V}"):
         model(idx, torch.full((2, 8), V, dtype=torch.long))
-
-
-# ---------------------------------------------------------------- generation
-
-
-@pytest.mark.parametrize("prompt_len,new", [(1, 20), (7, 80), (70, 10)])  # block_size is 64
-def test_kv_cache_generation_equals_full_recompute(prompt_len, new):
-    model = tiny(seed=3).eval()
-    idx = torch.randint(0, V, (3, prompt_len))
-    cached = model.generate(idx, new, temperature=0)
-    full = model.generate(idx, new, temperature=0, use_cache=False)
-    assert cached.shape == (3, prompt_len + new)
-    assert torch.equal(cached[:, :prompt_len], idx)
-    assert torch.equal(cached, full)
-
-
-def test_kv_cache_generation_equals_nanogpt_loop_when_sampling():
-    """Sampled (not greedy) tokens match a plain crop-and-recompute loop written here."""
-    model = tiny(seed=4).eval()
-    idx = torch.randint(0, V, (2, 5))
-    g = torch.Generator().manual_seed(7)
-    out = model.generate(idx, 70, temperature=0.9, top_k=50, generator=g)
-    g.manual_seed(7)
-    ref = idx
-    with torch.no_grad():
-        for _ in range(70):
-            logits = model(ref[:, -64:], all_positions=True)[:, -1, :] / 0.9
-            kth = torch.topk(logits, 50).values[:, [-1]]
-            probs = F.softmax(logits.masked_fill(logits < kth, -float("inf")), dim=-1)
-            race = torch.empty_like(probs).exponential_(generator=g)  # the same draw as generate's
-            ref = torch.cat([ref, (probs / race).argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(out, ref)
-
-
-def test_generation_never_emits_padded_ids():
-    model = tiny().eval()
-    with torch.no_grad():  # tied: the padded classifier rows would win every softmax
-        model.transformer.wte.weight[V:] = 1e4
-    out = model.generate(torch.zeros(8, 1, dtype=torch.long), 30, temperature=1.0)
-    assert int(out.max()) < V
-    assert model(out[:, -64:]).shape[-1] == V
-
-
-def test_generation_is_deterministic_by_generator():
-    model = tiny().eval()
-    idx = torch.zeros(4, 3, dtype=torch.long)
-    a = model.generate(idx, 12, top_p=0.9, generator=torch.Generator().manual_seed(5))
-    b = model.generate(idx, 12, top_p=0.9, generator=torch.Generator().manual_seed(5))
-    c = model.generate(idx, 12, top_p=0.9, generator=torch.Generator().manual_seed(6))
-    assert torch.equal(a, b) and not torch.equal(a, c)
-
-
-def test_sampling_filters():
-    # probabilities 0.5, 0.3, 0.15, 0.05 in a shuffled order
-    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
-    logits = probs.log().repeat(4000, 1)
-    g = torch.Generator().manual_seed(0)
-    greedy = _sample_next(logits, 0, None, None, g)
-    assert torch.equal(greedy, torch.ones(4000, 1, dtype=torch.long))
-
-    def counts(ids):
-        return torch.bincount(ids.flatten(), minlength=4)
-
-    free = counts(_sample_next(logits, 1.0, None, None, g)) / 4000
-    torch.testing.assert_close(free, probs[0], atol=0.03, rtol=0)
-    top2 = counts(_sample_next(logits, 1.0, 2, None, g))
-    assert top2[0] == top2[2] == 0 and abs(top2[1] / 4000 - 0.5 / 0.8) < 0.03
-    # nucleus 0.7: {0.5, 0.3} is the smallest set with mass >= 0.7
-    nucleus = counts(_sample_next(logits, 1.0, None, 0.7, g))
-    assert nucleus[0] == nucleus[2] == 0 and abs(nucleus[1] / 4000 - 0.5 / 0.8) < 0.03
-    assert counts(_sample_next(logits, 1.0, None, 0.4, g))[1] == 4000
-    cold = counts(_sample_next(logits, 0.25, None, None, g)) / 4000  # p^4, renormalised
-    torch.testing.assert_close(cold, probs[0] ** 4 / (probs[0] ** 4).sum(), atol=0.03, rtol=0)
-
-
-@pytest.mark.parametrize(
-    "kw,match",
-    [({"temperature": -1}, "temperature"), ({"top_k": 0}, "top_k"), ({"top_p": 0.0}, "top_p"),
-     ({"top_p": 1.5}, "top_p"), ({"max_new_tokens": -1}, "max_new_tokens")],
-)  # fmt: skip
-def test_bad_sampling_arguments(kw, match):
-    args = {"max_new_tokens": 2, **kw}
-    with pytest.raises(ValueError, match=match):
-        tiny().generate(torch.zeros(1, 1, dtype=torch.long), **args)
 
 
 # ---------------------------------------------------------------- checkpoints and devices
@@ -447,21 +363,12 @@ def test_transformers_import_and_export_round_trip(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_bf16_generation_and_loss():
+def test_gpu_bf16_loss():  # generation on the GPU: tests/test_generate.py
     model = tiny(seed=6, loss_impl="fused").cuda().eval()
     idx = torch.randint(0, V, (4, 33), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = model(idx, idx)
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
-    with torch.no_grad():
-        model.transformer.wte.weight[V:] = 1e4
-    torch.backends.cuda.matmul.allow_tf32 = False
-    a = model.generate(idx[:, :5], 70, temperature=0)
-    b = model.generate(idx[:, :5], 70, temperature=0, use_cache=False)
-    assert torch.equal(a, b)
-    half = model.to(torch.bfloat16)
-    out = half.generate(idx[:, :5], 40, generator=torch.Generator("cuda").manual_seed(0))
-    assert int(out.max()) < V
 
 
 def test_compiled_model_takes_a_second_shape():
