@@ -5,16 +5,21 @@
     python sample.py --hf-dir ~/gpt2 --prompt-file prompt.txt --num-samples 3
 
 With no prompt, samples start from <|endoftext|>, as GPT-2's unconditional samples do.
-Generation uses a KV cache; past block_size the context is cropped to the last block_size
-tokens (see GPT.generate). The same --seed on the same device gives the same text.
+Generation uses a static KV cache and, on CUDA, a compiled step replayed as a CUDA graph
+(--decode, generate.py); past block_size the context is cropped to the last block_size tokens.
+The same --seed on the same device gives the same text. One sample is printed as its tokens
+come; the speed goes to stderr at the end.
 """
 
 import argparse
+import codecs
 import sys
+import time
 from pathlib import Path
 
 import torch
 
+import generate
 from model import GPT, pick_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,6 +61,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES])
+    p.add_argument(
+        "--decode",
+        default="auto",
+        choices=["auto", *generate.MODES],
+        help="auto: compile on CUDA (compiled once per run), eager on CPU",
+    )
     args = p.parse_args(argv)
     if args.num_samples < 1:
         p.error(f"--num-samples must be >= 1, got {args.num_samples}")
@@ -95,6 +106,19 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
+    stream = Stream(enc) if args.num_samples == 1 else None
+    if stream is not None:
+        stream.write(ids[start:])
+    times = []  # when the first token was in
+
+    def on_token(col):
+        if stream is not None:
+            stream.push(col)
+        if not times:
+            sync(device)
+            times.append(time.perf_counter())
+
+    t0 = time.perf_counter()
     out = model.generate(
         idx,
         args.max_new_tokens,
@@ -102,12 +126,78 @@ def main(argv=None):
         top_k=args.top_k or None,
         top_p=args.top_p,
         generator=generator,
+        decode=args.decode,
+        on_token=on_token,
     )
-    for row in out.tolist():
-        print(enc.decode(row[start:]))
+    sync(device)
+    t1 = time.perf_counter()
+    if stream is not None:
+        stream.close()
         print("-" * 40)
+    else:
+        for row in out.tolist():
+            print(enc.decode(row[start:]))
+            print("-" * 40)
     sys.stdout.flush()
+    first = times[0] if times else t1
+    print(speed(args.num_samples, args.max_new_tokens, t0, first, t1), file=sys.stderr)
     return out
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def speed(batch, new_tokens, t0, first, end):
+    """A line on the speed: time to the first token (its prefill, and the compile or graph
+    capture of a first call), then tokens per second over the batch."""
+    if new_tokens == 0:
+        return "no tokens generated"
+    line = f"{batch} x {new_tokens} tokens in {end - t0:.2f} s: first after {first - t0:.2f} s"
+    if new_tokens > 1:
+        line += f", then {batch * (new_tokens - 1) / (end - first):,.0f} tok/s"
+    return line
+
+
+class Stream:
+    """One sample's text to stdout as its tokens arrive. A character whose UTF-8 bytes are split
+    across tokens is written once its last byte is in (an incremental decoder over the tokens'
+    bytes), so the text ends up exactly enc.decode(ids) (errors="replace", as tiktoken's)."""
+
+    def __init__(self, enc):
+        self.enc = enc
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.pending = []  # (ids copied to the host, the event that marks the copy done)
+
+    def push(self, col):
+        """Queue the copy of a new (1,) column from the device and write the one before it,
+        done by now: waiting for the newest would leave the GPU idle while the host launches
+        the next step."""
+        event = None
+        if col.is_cuda:
+            col = col.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((col, event))
+        while len(self.pending) > 1:
+            self._write_oldest()
+
+    def _write_oldest(self):
+        ids, event = self.pending.pop(0)
+        if event is not None:
+            event.synchronize()
+        self.write(ids.tolist())
+
+    def write(self, ids):
+        data = b"".join(self.enc.decode_single_token_bytes(i) for i in ids)
+        sys.stdout.write(self.utf8.decode(data))
+        sys.stdout.flush()
+
+    def close(self):
+        while self.pending:
+            self._write_oldest()
+        sys.stdout.write(self.utf8.decode(b"", final=True) + "\n")
 
 
 if __name__ == "__main__":

@@ -97,3 +97,34 @@ def test_bad_arguments_exit_with_usage(argv, capsys):
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no ckpt_"):
         sample.main(["--ckpt", str(tmp_path), "--device", "cpu"])
+
+
+def test_one_sample_is_streamed_and_the_speed_goes_to_stderr(capsys, ckpt_dir, monkeypatch):
+    writes = []
+    real_write = sample.Stream.write
+    monkeypatch.setattr(
+        sample.Stream, "write", lambda self, ids: writes.append(ids) or real_write(self, ids)
+    )
+    out = sample.main(
+        ["--ckpt", str(ckpt_dir), "--device", "cpu", "--num-samples", "1", "--max-new-tokens", "40",
+         "--prompt", "Hello world"]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert captured.out == get_tokenizer().decode(out[0].tolist()) + "\n" + "-" * 40 + "\n"
+    assert sum(writes, []) == out[0].tolist() and len(writes) == 41  # the prompt, then each token
+    assert "1 x 40 tokens in" in captured.err and "tok/s" in captured.err
+
+
+def test_stream_holds_a_split_character_back_until_its_last_byte(capsys):
+    enc = get_tokenizer()
+    ids = enc.encode("日本語 🙂 ok")  # 日 is two tokens (e6 97 | a5), 🙂 two more (f0 9f | 99 82)
+    stream = sample.Stream(enc)
+    pieces = []
+    for i in ids:
+        stream.push(torch.tensor([i]))
+        pieces.append(capsys.readouterr().out)
+    stream.close()
+    pieces.append(capsys.readouterr().out)
+    assert "".join(pieces) == enc.decode(ids) + "\n"
+    assert not any("\ufffd" in p for p in pieces)
+    assert pieces[:3] == ["", "", "日"]  # the write lags one token behind the device
