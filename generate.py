@@ -5,9 +5,9 @@
 The step has static shapes, so that one CUDA graph replays it at every position: keys and values
 live in preallocated (B, nh, max_len, hs) buffers, one pair per layer; the position is a (1,)
 int64 tensor on the device; attention reads all max_len keys under an additive mask (0 up to the
-position, -inf after it); sampling runs inside the step too. A token then costs one graph launch
-and no host sync, where eager decoding is bound by ~15 kernel launches per layer
-(bench/notes_model.md).
+position, the dtype's lowest value after it); sampling runs inside the step too. A token then
+costs one graph launch and no host sync, where eager decoding is bound by ~15 kernel launches per
+layer (bench/notes_model.md).
 
 decode=  "compile"    torch.compile(mode="reduce-overhead", fullgraph=True) of the step: Inductor's
                       fused kernels replayed as CUDA graphs; the default on CUDA. Compiles once
@@ -70,38 +70,47 @@ def generate(
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     mode = _mode(decode, idx.device)
     B, T0 = idx.shape
-    bs = model.config.block_size
     out = idx.new_empty(B, T0 + max_new_tokens)
     out[:, :T0] = idx
-    if max_new_tokens == 0:
-        return out
     sampling = (temperature, top_k, top_p)
-    with sdpa_kernel(_SDPA_BACKENDS):
-        if mode == "recompute":
-            for t in range(T0, T0 + max_new_tokens):
-                logits = model(out[:, max(0, t - bs) : t])[:, -1, :]
-                noise = _noise(logits.shape, temperature, generator, logits.device)
-                out[:, t] = sample(logits, *sampling, noise)[:, 0]
-                if on_token is not None:
-                    on_token(out[:, t])
-            return out
-        max_len = min(bs, -(-(min(T0, bs) + max_new_tokens) // LEN_MULTIPLE) * LEN_MULTIPLE)
-        dec = _decoder(model, B, max_len, mode, sampling)
-        cached = 0  # positions in the cache, as the device's dec.cache.pos has it (no sync)
-        for t in range(T0, T0 + max_new_tokens):
-            if dec.noise is not None:
-                dec.noise.exponential_(1.0, generator=generator)
-            if t == T0 or cached == max_len:  # the first token, or the window slid
-                window = out[:, max(0, t - bs) : t]
-                dec.prefill(model, window)
-                cached = window.size(1)
-            else:
-                dec.step(model)
-                cached += 1
-            out[:, t] = dec.tok[:, 0]
-            if on_token is not None:
-                on_token(out[:, t])
+    run = _recompute if mode == "recompute" else functools.partial(_cached, mode=mode)
+    if max_new_tokens:
+        with sdpa_kernel(_SDPA_BACKENDS):
+            run(model, out, T0, sampling, generator, on_token or (lambda ids: None))
     return out
+
+
+def _recompute(model, out, T0, sampling, generator, on_token):
+    """Fill out[:, T0:]: each token re-runs the window of the last block_size tokens."""
+    bs = model.config.block_size
+    for t in range(T0, out.size(1)):
+        logits = model(out[:, max(0, t - bs) : t])[:, -1, :]
+        noise = None
+        if sampling[0] != 0:
+            noise = torch.empty_like(logits).exponential_(1.0, generator=generator)
+        out[:, t] = sample(logits, *sampling, noise)[:, 0]
+        on_token(out[:, t])
+
+
+def _cached(model, out, T0, sampling, generator, on_token, mode):
+    """Fill out[:, T0:]: a prefill, then one step per token over the static cache."""
+    bs = model.config.block_size
+    new = out.size(1) - T0
+    max_len = min(bs, -(-(min(T0, bs) + new) // LEN_MULTIPLE) * LEN_MULTIPLE)
+    dec = _decoder(model, out.size(0), max_len, mode, sampling)
+    cached = 0  # positions in the cache, as the device's dec.cache.pos has it (no sync)
+    for t in range(T0, out.size(1)):
+        if dec.noise is not None:
+            dec.noise.exponential_(1.0, generator=generator)
+        if t == T0 or cached == max_len:  # the first token, or the window slid
+            window = out[:, max(0, t - bs) : t]
+            dec.prefill(model, window)
+            cached = window.size(1)
+        else:
+            dec.step(model)
+            cached += 1
+        out[:, t] = dec.tok[:, 0]
+        on_token(out[:, t])
 
 
 def check_sampling(max_new_tokens, temperature, top_k, top_p):
@@ -121,7 +130,9 @@ def sample(logits, temperature, top_k, top_p, noise):
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature
     if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
+        # [:, -1:], not [:, [-1]]: a list index is copied to the GPU (a host sync, and illegal
+        # inside a graph capture)
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
@@ -132,12 +143,6 @@ def sample(logits, temperature, top_k, top_p, noise):
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     # argmax(p / E), E ~ Exp(1): an exact draw from p (the exponential race)
     return (F.softmax(logits, dim=-1) / noise).argmax(dim=-1, keepdim=True)
-
-
-def _noise(shape, temperature, generator, device):
-    if temperature == 0:
-        return None
-    return torch.empty(shape, device=device).exponential_(1.0, generator=generator)
 
 
 def _mode(decode, device):
@@ -153,7 +158,8 @@ def _mode(decode, device):
 class StaticKVCache:
     """Keys and values of every layer for max_len positions, preallocated, with the position that
     the next step decodes (pos, a (1,) tensor) and the additive attention mask that goes with it
-    (0 for positions < pos, -inf after; the step opens pos itself before attending).
+    (0 for positions < pos, the dtype's lowest value after: not -inf, so that a kernel that
+    splits the keys never meets a block of -inf alone; the step opens pos before attending).
 
     The attention layers call update(layer, k, v) (model.py); a prefill goes through _Prefill.
     """
@@ -164,7 +170,8 @@ class StaticKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
-        self.mask = torch.full((1, 1, 1, max_len), float("-inf"), dtype=dtype, device=device)
+        self.closed = torch.finfo(dtype).min
+        self.mask = torch.full((1, 1, 1, max_len), self.closed, dtype=dtype, device=device)
 
     def tensors(self):
         return [*self.k, *self.v, self.pos, self.mask]
@@ -227,6 +234,8 @@ class Decoder:
         for t in static:  # for cudagraphs: inputs at fixed addresses, not copied in at each call
             torch._dynamo.mark_static_address(t, guard=False)
         args = (self.cache, self.tok, self.noise, *sampling)
+        if mode != "eager":  # lazy set-up (cuBLAS(Lt) handles, workspace, plans) outside graphs
+            _step(model, *args)
         if mode == "eager":
             self._run = lambda model: _step(model, *args)
         elif mode == "compile":
@@ -243,7 +252,7 @@ class Decoder:
         T = idx.size(1)
         logits = model._decode(idx, slice(0, T), _Prefill(self.cache))
         self.cache.pos.fill_(T)
-        self.cache.mask.fill_(float("-inf"))
+        self.cache.mask.fill_(self.cache.closed)
         self.cache.mask[..., :T] = 0.0
         self.tok.copy_(sample(logits, *self.sampling, self.noise))
 

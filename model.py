@@ -278,7 +278,7 @@ class GPT(nn.Module):
             )
             return loss_fn(x, self.lm_head.weight, targets, vocab_size=self.config.vocab_size)
         if not all_positions:
-            x = x[:, [-1], :]  # list index keeps the time dim
+            x = x[:, -1:, :]  # keeps the time dim; a list index would be copied to the device
         return self.lm_head(x)[..., : self.config.vocab_size].float()
 
     def _residual(self, x):
