@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
@@ -125,6 +126,7 @@ def measure(model, idx, new_tokens, mode):
     # the first call: compile / capture for graph and compile (the same shapes as the timed
     # call, so that it builds what the timed call uses); a few tokens for the others
     warm_tokens = new_tokens if mode in ("eager", "graph", "compile") else 4
+    skips = counters["inductor"]["cudagraph_skips"]
     _, warm_s, _ = timed_call(model, idx, warm_tokens, mode, seed=0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -140,6 +142,8 @@ def measure(model, idx, new_tokens, mode):
         "warmup_s": warm_s - sec if warm_tokens == new_tokens else None,
         "max_rank": max_rank(model, out, idx.size(1)),
         "peak_gib": peak,
+        # compile: graphs Inductor ran without CUDA graphs (TORCH_LOGS=perf_hints says why)
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips,
     }
 
 

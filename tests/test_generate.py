@@ -4,6 +4,7 @@ the compiled / CUDA-graphed step (GPU)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import generate
 from generate import sample
@@ -220,8 +221,9 @@ def test_gpu_bf16_greedy_picks_the_fp32_argmax_within_bf16_error(decode):
 @pytest.mark.parametrize("decode", GPU_MODES)
 def test_gpu_no_host_sync_per_token_and_seeded_sampling(decode):
     """After the first call (compile, capture, cuBLASLt plans), a call syncs the host with the
-    GPU nowhere (sync debug mode raises); bf16 sampling never emits a padded id, and a seed gives
-    the same tokens again."""
+    GPU nowhere (sync debug mode raises); the compiled step runs as CUDA graphs (Inductor skips
+    none); bf16 sampling never emits a padded id, and a seed gives the same tokens again."""
+    counters.clear()
     model = tiny(seed=7).cuda().to(torch.bfloat16)
     with torch.no_grad():  # tied: the padded classifier rows would win every softmax
         model.transformer.wte.weight[V:] = 1e4
@@ -236,3 +238,4 @@ def test_gpu_no_host_sync_per_token_and_seeded_sampling(decode):
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(a, b)
     assert int(a.max()) < V
+    assert counters["inductor"]["cudagraph_skips"] == 0

@@ -128,3 +128,14 @@ def test_stream_holds_a_split_character_back_until_its_last_byte(capsys):
     assert "".join(pieces) == enc.decode(ids) + "\n"
     assert not any("\ufffd" in p for p in pieces)
     assert pieces[:3] == ["", "", "日"]  # the write lags one token behind the device
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("decode", ["graph", "compile"])
+def test_gpu_one_sample_streams_the_tokens_it_returns(capsys, ckpt_dir, decode):
+    argv = ["--ckpt", str(ckpt_dir), "--device", "cuda", "--num-samples", "1", "--decode", decode]
+    out = sample.main([*argv, "--max-new-tokens", "40", "--prompt", "Hello world"])
+    captured = capsys.readouterr()
+    assert captured.out == get_tokenizer().decode(out[0].tolist()) + "\n" + "-" * 40 + "\n"
+    assert int(out.max()) < V and "tok/s" in captured.err
