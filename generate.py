@@ -9,10 +9,13 @@ position, the dtype's lowest value after it); sampling runs inside the step too.
 costs one graph launch and no host sync, where eager decoding is bound by ~15 kernel launches per
 layer (bench/notes_model.md).
 
-decode=  "compile"    torch.compile(mode="reduce-overhead", fullgraph=True) of the step: Inductor's
-                      fused kernels replayed as CUDA graphs; the default on CUDA. Compiles once
+decode=  "graph"      the eager step captured in one torch.cuda.CUDAGraph: no compiler, set up by
+                      a few eager steps and one capture. The default on CUDA: sample.py makes one
+                      call per process and train.py a short one per sample, which a compile's
+                      tens of seconds would dominate.
+         "compile"    torch.compile(mode="reduce-overhead", fullgraph=True) of the step: Inductor's
+                      fused kernels replayed as CUDA graphs, for long decoding runs. Compiles once
                       per batch size, cache length and sampling setting.
-         "graph"      the eager step captured in one torch.cuda.CUDAGraph: no compiler.
          "eager"      the same step launched kernel by kernel; the default on CPU.
          "recompute"  no cache: every token re-runs the window (nanoGPT's loop, the reference).
 Speed of each: bench/RESULTS.md section 3.
@@ -37,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-MODES = ("compile", "graph", "eager", "recompute")
+MODES = ("graph", "compile", "eager", "recompute")
 LEN_MULTIPLE = 128  # cache lengths are rounded up to this: fewer distinct graphs to build
 
 # cuDNN attention builds a plan per new key length (~50 ms each on an H200, torch 2.11), and
@@ -61,7 +64,7 @@ def generate(
     """Extend idx (B, T) by max_new_tokens sampled ids; returns (B, T + max_new_tokens).
 
     temperature=0 is greedy; top_k keeps the k most likely ids; top_p keeps the smallest set whose
-    probability is >= top_p. decode: "auto" ("compile" on CUDA, else "eager") or one of MODES
+    probability is >= top_p. decode: "auto" ("graph" on CUDA, else "eager") or one of MODES
     (module docstring); every mode gives the same tokens up to rounding. on_token(ids), if given,
     is called with each new (B,) column as soon as it is queued (still on the device).
     Call model.eval() first to turn dropout off.
@@ -147,7 +150,7 @@ def sample(logits, temperature, top_k, top_p, noise):
 
 def _mode(decode, device):
     if decode == "auto":
-        return "compile" if device.type == "cuda" else "eager"
+        return "graph" if device.type == "cuda" else "eager"
     if decode not in MODES:
         raise ValueError(f"decode must be 'auto' or one of {MODES}, got {decode!r}")
     if decode == "graph" and device.type != "cuda":

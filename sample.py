@@ -5,7 +5,7 @@
     python sample.py --hf-dir ~/gpt2 --prompt-file prompt.txt --num-samples 3
 
 With no prompt, samples start from <|endoftext|>, as GPT-2's unconditional samples do.
-Generation uses a static KV cache and, on CUDA, a compiled step replayed as a CUDA graph
+Generation uses a static KV cache and, on CUDA, a one-token step replayed as a CUDA graph
 (--decode, generate.py); past block_size the context is cropped to the last block_size tokens.
 The same --seed on the same device gives the same text. One sample is printed as its tokens
 come; the speed goes to stderr at the end.
@@ -65,7 +65,7 @@ def parse_args(argv=None):
         "--decode",
         default="auto",
         choices=["auto", *generate.MODES],
-        help="auto: compile on CUDA (compiled once per run), eager on CPU",
+        help="auto: graph on CUDA, eager on CPU (generate.py)",
     )
     args = p.parse_args(argv)
     if args.num_samples < 1:
