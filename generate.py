@@ -33,6 +33,7 @@ outside the graph from the caller's generator, one (B, vocab_size) fp32 tensor p
 mode: a generator state gives the same tokens in every mode, up to the rounding of the logits.
 """
 
+import contextlib
 import functools
 import weakref
 
@@ -77,8 +78,10 @@ def generate(
     out[:, :T0] = idx
     sampling = (temperature, top_k, top_p)
     run = _recompute if mode == "recompute" else functools.partial(_cached, mode=mode)
+    # graphs are captured and replayed on the current device's streams: make it the model's
+    on_device = torch.cuda.device(idx.device) if idx.is_cuda else contextlib.nullcontext()
     if max_new_tokens:
-        with sdpa_kernel(_SDPA_BACKENDS):
+        with sdpa_kernel(_SDPA_BACKENDS), on_device:
             run(model, out, T0, sampling, generator, on_token or (lambda ids: None))
     return out
 

@@ -245,8 +245,8 @@ def main(argv=None):
 if __name__ == "__main__":
     main()
 
-# Expected output (--quick, CPU, ~10 s): a setup line, 6 JSON rows (tiny x batch 1,4 x old /
+# Expected output (--quick, CPU, seconds): a setup line, 6 JSON rows (tiny x batch 1,4 x old /
 # recompute / eager), a line with the seconds and the log, then an 8-line table. --quick checks
 # the script only: CPU timings of a tiny model are dominated by the 50304-column classifier and
-# sampling, so its ratios mean nothing. On an H200 the default run takes ~2-3 min, most of it
-# compiling the 4 steps (2 sizes x 2 batch sizes).
+# sampling, so its ratios mean nothing. On an H200 the default run should take ~2-3 min, most of
+# it compiling the step 4 times (2 sizes x 2 batch sizes) for the compile rows.
