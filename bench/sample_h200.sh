@@ -3,17 +3,22 @@
 # equal to the recompute path's, bf16 tokens within bf16 error of the fp32 argmax, no host sync
 # per token, for the compile / graph / eager modes), then bench/bench_sample.py (GPT-2 124M and
 # 1558M, batch 1 and 16, bf16, prompt 64, 256 new tokens; old / graph / compile).
-# Logs under $1 (default out/sample); exits non-zero when a test or the bench failed.
+#
+#   bash bench/sample_h200.sh [OUT_DIR]     # OUT_DIR defaults to $OUT, else out/sample
+#
+# Exits non-zero when a test or the bench failed. Landing still goes through bench/gpu_gate.sh.
 set -uo pipefail
-O=${1:-out/sample}
+cd "$(dirname "$0")/.."
+O=${1:-${OUT:-out/sample}}
 mkdir -p "$O"
+py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)
-python -m pytest -q -p no:cacheprovider tests/test_generate.py tests/test_sample.py \
+$py -m pytest -q -p no:cacheprovider tests/test_generate.py tests/test_sample.py \
     tests/test_model.py 2>&1 | tee "$O/tests.log"
 tests=${PIPESTATUS[0]}
 echo "tests done at $(( $(date +%s) - t0 )) s (rc $tests)"
-python bench/bench_sample.py --log "$O/bench_sample.log" 2>&1 | tee "$O/bench.log"
+$py bench/bench_sample.py --log "$O/bench_sample.log" 2>&1 | tee "$O/bench.log"
 bench=${PIPESTATUS[0]}
 echo "bench done at $(( $(date +%s) - t0 )) s (rc $bench)"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
