@@ -14,7 +14,6 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
-import glob
 import json
 import math
 import os
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from data import hellaswag, resolve_dataset
 from data.loader import DataLoader, iter_val_batches
 from data.tokenizer import EOT, get_tokenizer
@@ -331,36 +331,7 @@ def get_lr(step, cfg):
 
 
 # ----------------------------------------------------------------------------------------------
-# checkpoints
-
-
-def list_checkpoints(out_dir):
-    """Checkpoint paths in out_dir, oldest first (names are zero-padded, so sorting is by step)."""
-    return sorted(glob.glob(os.path.join(out_dir, "ckpt_[0-9]*.pt")))
-
-
-def save_checkpoint(obj, out_dir, step, keep_last):
-    """Write out_dir/ckpt_{step:07d}.pt atomically, then delete all but the newest keep_last."""
-    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # a crash leaves either the old file set or the complete new file
-    dir_fd = os.open(out_dir, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-    if keep_last > 0:
-        for old in list_checkpoints(out_dir)[:-keep_last]:
-            os.remove(old)
-    return path
-
-
-def load_checkpoint(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
+# RNG state, saved in checkpoints
 
 
 def rng_state(device):
