@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 from data import hellaswag, resolve_dataset
 from data.loader import DataLoader, iter_val_batches
 from data.tokenizer import EOT, get_tokenizer
+from errors import run_main
 from fused_loss.adamw import MultiTensorAdamW
 from model import GPT, GPTConfig, checkpoint_settings, pick_device
 
@@ -155,6 +156,10 @@ COMPILE_CHECK_TOL = 2e-3
 
 class ConfigError(ValueError):
     pass
+
+
+# errors the user can fix: one line on the command line (errors.py; GPT2_DEBUG=1 for a traceback)
+USER_ERRORS = {ConfigError: "config error", CheckpointError: "checkpoint error"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -939,7 +944,4 @@ def sample_text(raw_model, autocast, cfg, step):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
+    run_main(main, USER_ERRORS)
