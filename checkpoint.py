@@ -3,14 +3,32 @@
 A write goes to a temporary file that is fsynced and then renamed, so a crash leaves either the
 old files or the complete new one; the newest `keep_last` are kept. A write that fails (a full
 disk) removes its temporary file and raises CheckpointError, which names the file, the free space
-and the size needed.
+and the size needed. A checkpoint that does not load (truncated, corrupt) raises CheckpointError
+naming it; resuming falls back to the newest one that loads and keeps the others aside.
 """
 
 import glob
 import os
+import pickle
 import shutil
 
 import torch
+import torch.distributed as dist
+
+# what torch.load raised on 4,000 truncated or byte-flipped checkpoints, besides loading some of
+# them (flipped tensor bytes go unnoticed): the zip reader RuntimeError; the unpickler
+# UnpicklingError (weights_only refusing what it does not know), EOFError, KeyError, IndexError,
+# TypeError, ValueError (UnicodeDecodeError); reads at damaged offsets OSError
+_DAMAGED = (
+    RuntimeError,
+    pickle.UnpicklingError,
+    EOFError,
+    KeyError,
+    IndexError,
+    TypeError,
+    ValueError,
+    OSError,
+)
 
 
 class CheckpointError(Exception):
@@ -92,5 +110,63 @@ def _size(nbytes):
     return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
 
 
-def load_checkpoint(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
+def load_checkpoint(path, map_location="cpu"):
+    """torch.load(path, weights_only=True); a file that does not load raises CheckpointError
+    naming it (a missing or unreadable one raises as it is)."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        raise
+    except _DAMAGED as e:
+        first = str(e).strip().split("\n")[0].split(". ")[0][:200]  # torch's are paragraphs
+        why = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        raise CheckpointError(f"{path} does not load ({why}): truncated or corrupt") from e
+
+
+def load_newest(out_dir, keys, warn):
+    """(path, checkpoint) of the newest checkpoint in out_dir that loads and holds `keys`, or
+    (None, None) when out_dir has none. Each newer one that does not is renamed to PATH.corrupt
+    (kept for a look, out of the way of list_checkpoints and pruning), with a warning line through
+    `warn`; when none loads, CheckpointError names them all and nothing is renamed. Temporary
+    files of writes that never finished (a kill mid-write) are removed."""
+    for tmp in glob.glob(os.path.join(out_dir, "ckpt_[0-9]*.pt.tmp")):
+        os.remove(tmp)
+        warn(f"removed {tmp}, a checkpoint write that did not finish")
+    failed = []
+    for path in reversed(list_checkpoints(out_dir)):
+        try:
+            ckpt = load_checkpoint(path)
+            missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, dict) else keys
+            if missing:
+                raise CheckpointError(f"{path} is not a training checkpoint: no {missing}")
+        except CheckpointError as e:
+            failed.append((path, e))
+            continue
+        for bad, e in failed:
+            os.replace(bad, bad + ".corrupt")
+            warn(f"warning: {e}; kept it as {bad}.corrupt and resumed from {path}")
+        return path, ckpt
+    if failed:
+        why = "; ".join(str(e) for _, e in failed)
+        raise CheckpointError(f"no checkpoint in {out_dir} loads: {why}")
+    return None, None
+
+
+def load_for_resume(out_dir, keys, warn, ddp=False, rank=0):
+    """load_newest on rank 0, which also renames what does not load; under DDP the other ranks
+    then load the checkpoint that rank 0 chose (or raise its error), so all resume from one."""
+    path = ckpt = error = None
+    if rank == 0:
+        try:
+            path, ckpt = load_newest(out_dir, keys, warn)
+        except CheckpointError as e:
+            error = str(e)
+    if ddp:
+        choice = [path, error]
+        dist.broadcast_object_list(choice, src=0)
+        path, error = choice
+    if error is not None:
+        raise CheckpointError(error)
+    if rank != 0 and path is not None:
+        ckpt = load_checkpoint(path)
+    return path, ckpt

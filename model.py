@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import generate
+from checkpoint import load_checkpoint
 from fused_loss import cublaslt, fused_linear_cross_entropy, linear_cross_entropy_reference
 from fused_loss.mlp import mlp_cublaslt, mlp_reference
 
@@ -345,7 +346,7 @@ class GPT(nn.Module):
             path = ckpts[-1]  # names carry a zero-padded step, so the last is the newest
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {path} does not exist")
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = load_checkpoint(path, map_location)  # CheckpointError naming it if damaged
         if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
             keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
             raise ValueError(

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 import generate
+from checkpoint import CheckpointError
+from errors import run_main
 from model import GPT, pick_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -201,4 +203,4 @@ class Stream:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, {CheckpointError: "checkpoint error", FileNotFoundError: "error"})

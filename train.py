@@ -30,7 +30,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    load_for_resume,
+    save_checkpoint,
+)
 from data import hellaswag, resolve_dataset
 from data.loader import DataLoader, iter_val_batches
 from data.tokenizer import EOT, get_tokenizer
@@ -141,6 +146,8 @@ MODEL_KEYS = PRESET_KEYS + ("dropout", "bias", "loss_impl", "low_precision_resid
 # cuBLASLt is missing); every other model key must match the checkpoint's
 IMPL_KEYS = ("mlp_impl",)
 MODEL_KEYS += IMPL_KEYS
+# what --resume reads from a checkpoint (main's checkpoint() writes these and more)
+RESUME_KEYS = ("model", "model_config", "optimizer", "step", "loader", "rng")
 
 
 BUFFER_REUSE = {  # buffer_reuse -> torch._inductor.config patch
@@ -649,22 +656,24 @@ def main(argv=None, train_loader=DataLoader):
                 f"out_dir {cfg.out_dir!r} already holds checkpoints ({ckpts[-1]}); "
                 "pass --resume to continue, or choose another out_dir"
             )
-        if cfg.resume and ckpts:
-            ckpt = load_checkpoint(ckpts[-1])
+        path = ckpt = None
+        if cfg.resume:  # the newest that loads; newer damaged ones are set aside with a warning
+            path, ckpt = load_for_resume(cfg.out_dir, RESUME_KEYS, print0, ddp, rank)
+        if ckpt is not None:
             mine, saved = asdict(model_config), checkpoint_settings(ckpt["model_config"])
             keys = sorted((set(mine) | set(saved)) - set(IMPL_KEYS))
             differ = [k for k in keys if mine.get(k) != saved.get(k)]
             if differ:
                 fix = " ".join(f"--{k}={saved[k]!r}" for k in differ if k in mine and k in saved)
                 raise ConfigError(
-                    f"model config differs from {ckpts[-1]}'s in {differ}"
+                    f"model config differs from {path}'s in {differ}"
                     + (f"; to resume it, pass {fix}" if fix else "")
                 )
             raw_model.load_state_dict(ckpt["model"])
             load_optimizer_state(optimizer, ckpt["optimizer"])
             note = loader.load_state_dict(ckpt["loader"])  # one position for all ranks, any W
             start_step = ckpt["step"]
-            notes.append(f"resumed from {ckpts[-1]} at step {start_step}")
+            notes.append(f"resumed from {path} at step {start_step}")
             if note:  # the checkpoint's data order is not the one cfg asks for; it continues
                 notes.append(note)
             if len(ckpt["rng"]["torch"]) == world_size:

@@ -105,3 +105,84 @@ def test_disk_full_on_a_real_filesystem(tiny_args, small_disk):
     assert f"{out / 'ckpt_0000004.pt'}: No space left on device" in res.stderr
     assert sorted(os.listdir(out)) == ["ckpt_0000002.pt", "log.jsonl"]
     assert torch.load(out / "ckpt_0000002.pt", weights_only=True)["step"] == 2
+
+
+def _truncate(path):
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2])
+    return raw[: len(raw) // 2]
+
+
+def test_resume_falls_back_past_a_corrupt_newest_checkpoint(tiny_args, tmp_path, capsys):
+    """ckpt 4 truncated to half: --resume warns naming it, keeps it as .corrupt, resumes from
+    ckpt 2 and recomputes steps 2-3 bit-identically; a stale .tmp from a kill is removed."""
+    out = tmp_path / "out"
+    args = tiny_args + [f"--out_dir={out}", "--eval_interval=2", "--ckpt_interval=2"]
+    args += ["--keep_last=2"]
+    train.main(args + ["--max_steps=4"])
+    before, _ = read_log(out)
+    newest = out / "ckpt_0000004.pt"
+    half = _truncate(newest)
+    (out / "ckpt_0000006.pt.tmp").write_bytes(b"cut short by a kill")
+    capsys.readouterr()
+    train.main(args + ["--max_steps=6", "--resume"])
+    text = capsys.readouterr().out
+    warnings = [line for line in text.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"{newest} does not load (RuntimeError: " in warnings[0]
+    assert f"kept it as {newest}.corrupt and resumed from {out / 'ckpt_0000002.pt'}" in text
+    assert f"resumed from {out / 'ckpt_0000002.pt'} at step 2" in text
+    assert f"removed {out / 'ckpt_0000006.pt.tmp'}" in text
+    assert (out / "ckpt_0000004.pt.corrupt").read_bytes() == half  # kept, not deleted
+    after, _ = read_log(out)
+    assert sorted(after) == list(range(6)) and all(after[s] == before[s] for s in range(4))
+    names = sorted(os.listdir(out))
+    assert names == ["ckpt_0000004.pt", "ckpt_0000004.pt.corrupt", "ckpt_0000006.pt", "log.jsonl"]
+
+
+def test_resume_refuses_when_no_checkpoint_loads(tiny_args, tmp_path):
+    out = tmp_path / "out"
+    args = tiny_args + [f"--out_dir={out}", "--eval_interval=0", "--ckpt_interval=1"]
+    args += ["--max_steps=2", "--keep_last=2"]
+    train.main(args)
+    for path in out.glob("ckpt_*.pt"):
+        _truncate(path)
+    with pytest.raises(checkpoint.CheckpointError, match="ckpt_0000002.pt does not load.*0001"):
+        train.main(args[:-2] + ["--max_steps=3", "--resume"])
+    assert sorted(p.name for p in out.glob("ckpt_*")) == ["ckpt_0000001.pt", "ckpt_0000002.pt"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "not a zip", "malicious pickle"])
+def test_damaged_checkpoints_are_named(tmp_path, damage):
+    path = tmp_path / "ckpt_0000001.pt"
+    torch.save({"model": {"w": torch.ones(1000)}, "step": 1}, path)
+    if damage == "truncated":
+        _truncate(path)
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "not a zip":
+        path.write_bytes(b"step = 1\n" * 100)
+    else:
+        torch.save({"x": _Evil()}, path)
+    with pytest.raises(checkpoint.CheckpointError, match=f"{path} does not load"):
+        checkpoint.load_checkpoint(path)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo this must never run",))
+
+
+def test_sample_names_a_damaged_checkpoint_in_one_line(tmp_path):
+    path = tmp_path / "ckpt_0000001.pt"
+    torch.save({"model": {"w": torch.ones(1000)}, "step": 1}, path)
+    _truncate(path)
+    res = subprocess.run(
+        [sys.executable, "sample.py", "--ckpt", str(tmp_path), "--device", "cpu"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.stderr.startswith(f"checkpoint error: {path} does not load (RuntimeError: ")
+    assert len(res.stderr.strip().splitlines()) == 1

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+import checkpoint
 import train
 from train import ConfigError, TrainConfig, get_lr, grad_accum_steps, load_config, peak_flops
 
@@ -168,11 +169,12 @@ def test_recipes_match_llmc():
 
 def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
     for step in (10, 20, 30, 40):
-        train.save_checkpoint({"step": step, "w": torch.full((3,), float(step))}, tmp_path, step, 2)
+        obj = {"step": step, "w": torch.full((3,), float(step))}
+        checkpoint.save_checkpoint(obj, tmp_path, step, 2)
     names = sorted(os.listdir(tmp_path))
     assert names == ["ckpt_0000030.pt", "ckpt_0000040.pt"]  # no .tmp left, oldest pruned
-    latest = train.list_checkpoints(tmp_path)[-1]
-    ckpt = train.load_checkpoint(latest)
+    latest = checkpoint.list_checkpoints(tmp_path)[-1]
+    ckpt = checkpoint.load_checkpoint(latest)
     assert ckpt["step"] == 40 and torch.equal(ckpt["w"], torch.full((3,), 40.0))
 
 
