@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import glob
 import json
 import math
 import os
@@ -34,10 +35,12 @@ from checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_for_resume,
+    newest_note,
     save_checkpoint,
 )
 from data import hellaswag, resolve_dataset
 from data.loader import DataLoader, iter_val_batches
+from data.shards import DataError, read_shard
 from data.tokenizer import EOT, get_tokenizer
 from errors import run_main
 from fused_loss.adamw import MultiTensorAdamW
@@ -166,7 +169,11 @@ class ConfigError(ValueError):
 
 
 # errors the user can fix: one line on the command line (errors.py; GPT2_DEBUG=1 for a traceback)
-USER_ERRORS = {ConfigError: "config error", CheckpointError: "checkpoint error"}
+USER_ERRORS = {
+    ConfigError: "config error",
+    DataError: "data error",
+    CheckpointError: "checkpoint error",
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -496,6 +503,32 @@ def trim_log(path, step):
     os.replace(path + ".tmp", path)
 
 
+def open_data(cfg, train_loader, rank, local_rank, world_size, ddp, device):
+    """(train_loader(...), train_glob, val_glob) for cfg.dataset; a problem with the data raises
+    DataError naming the file. Checked here: every shard's header, the token ids of the val
+    shards and of the train shard read first (the loader checks each other one when it opens
+    it), and that a step fits in each shard. One process per node goes first: "embedded" is
+    prepared on first use."""
+    B, T = cfg.batch_size, cfg.block_size
+    try:
+        if local_rank == 0:
+            train_glob, val_glob = resolve_dataset(cfg.dataset)
+        if ddp:
+            dist.barrier()
+        if local_rank != 0:
+            train_glob, val_glob = resolve_dataset(cfg.dataset)
+        order = dict(shuffle=cfg.shuffle, seed=cfg.seed)
+        loader = train_loader(train_glob, B, T, rank, world_size, device=device, **order)
+        for path in sorted(glob.glob(val_glob)):
+            read_shard(path)
+        next(iter_val_batches(val_glob, B, T, rank, world_size, cfg.val_tokens, device=device))
+    except DataError:
+        raise
+    except (FileNotFoundError, ValueError) as e:  # resolve_dataset's and the loader's name the file
+        raise DataError(str(e)) from e
+    return loader, train_glob, val_glob
+
+
 def keep_freed_memory():
     """Keep large freed blocks in this process's heap instead of returning them to the OS.
 
@@ -623,16 +656,8 @@ def main(argv=None, train_loader=DataLoader):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-        # --- data: one process per node first, as "embedded" is prepared on first use
-        if local_rank == 0:
-            train_glob, val_glob = resolve_dataset(cfg.dataset)
-        if ddp:
-            dist.barrier()
-        if local_rank != 0:
-            train_glob, val_glob = resolve_dataset(cfg.dataset)
-        order = dict(shuffle=cfg.shuffle, seed=cfg.seed)
-        loader = train_loader(
-            train_glob, cfg.batch_size, T, rank, world_size, device=device, **order
+        loader, train_glob, val_glob = open_data(
+            cfg, train_loader, rank, local_rank, world_size, ddp, device
         )
         hs_path = cfg.hellaswag_path or str(hellaswag.DEFAULT_PATH)
         if cfg.hellaswag and not os.path.isfile(hs_path):
@@ -879,7 +904,11 @@ def main(argv=None, train_loader=DataLoader):
             st = _StepStats(device, step, lr)
             loss_sum = torch.zeros((), device=device)
             for micro in range(grad_accum):
-                x, y = loader.next_batch()
+                try:
+                    x, y = loader.next_batch()
+                except DataError as e:  # a later shard's token ids, checked as it is opened
+                    note = f"stopped at step {step} without saving; {newest_note(cfg.out_dir)}"
+                    raise DataError(f"{e}; {note}") from e
                 sync = not ddp or micro == grad_accum - 1  # all-reduce grads once per step
                 checking = check_pending and micro == 0
                 if checking:  # eager first: no activations held yet

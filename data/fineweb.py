@@ -15,7 +15,8 @@ run the same pipeline on local files (see data/prepare.py for the formats), with
 
 import argparse
 
-from data.prepare import CACHE_DIR, add_prepare_args, prepare, run_local
+from data.prepare import CACHE_DIR, CLI_ERRORS, add_prepare_args, prepare, run_local
+from errors import run_main
 
 
 def hub_docs(version="10BT", edu=False):
@@ -55,7 +56,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, CLI_ERRORS)
 
 # Expected output (FineWeb figures as reported for llm.c / modded-nanogpt; not measurable offline):
 #   sample-10BT:      fineweb_val_000000.bin + ~103 train shards, ~10.3B tokens, ~20.6 GB

@@ -25,17 +25,20 @@ import json
 import lzma
 import multiprocessing
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
 
-from data.shards import read_header, write_shard
+from data.shards import DataError, read_header, write_shard
 from data.tokenizer import EOT, get_tokenizer
 
 CACHE_DIR = Path(__file__).resolve().parent / "cache"
 SHARD_SIZE = 10**8  # tokens per shard (200 MB), as in llm.c and modded-nanogpt
 LOCAL_VAL_TOKENS = 2**20  # default val size when it is cut from the head of local files
 _SEPARATOR = "<|endoftext|>"
+# the prepare scripts' errors that are one line on the command line (errors.py)
+CLI_ERRORS = {DataError: "data error"}
 
 
 def open_text(path):
@@ -48,17 +51,30 @@ def open_text(path):
     return open(path, encoding="utf-8")
 
 
+def read_lines(path):
+    """The lines of a text file (see open_text); a file that is not UTF-8 text (a binary file) or
+    does not decompress raises DataError naming it."""
+    try:
+        with open_text(path) as f:
+            yield from f
+    except UnicodeDecodeError as e:
+        byte = f"0x{e.object[e.start]:02x}"
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} {byte}); a binary file?") from None
+    except (EOFError, lzma.LZMAError, gzip.BadGzipFile, zlib.error) as e:
+        raise DataError(f"{path}: cannot be decompressed ({e}); truncated or corrupt?") from None
+
+
 def _wiki_docs(lines, path):
     """WikiExtractor articles: `<doc ...>`, title line, body, `</doc>`; title-only stubs skipped."""
     body = None
     for lineno, line in enumerate(lines, 1):
         if line.startswith("<doc ") or line.startswith("<doc>"):
             if body is not None:
-                raise ValueError(f"{path}:{lineno}: <doc> opened inside another <doc>")
+                raise DataError(f"{path}:{lineno}: <doc> opened inside another <doc>")
             body = []
         elif line.startswith("</doc>"):
             if body is None:
-                raise ValueError(f"{path}:{lineno}: </doc> without an opening <doc>")
+                raise DataError(f"{path}:{lineno}: </doc> without an opening <doc>")
             text = "".join(body).strip()
             if "\n" in text and text.split("\n", 1)[1].strip():  # more than the title line
                 yield text
@@ -66,48 +82,46 @@ def _wiki_docs(lines, path):
         elif body is not None:
             body.append(line)
     if body is not None:
-        raise ValueError(f"{path}: ends inside a <doc> (truncated file?)")
+        raise DataError(f"{path}: ends inside a <doc> (truncated file?)")
 
 
 def iter_text_docs(path):
     """Documents of a text file: WikiExtractor articles or `<|endoftext|>`-separated text."""
-    with open_text(path) as f:
-        lines = iter(f)
-        head = list(itertools.islice(lines, 64))  # enough to find the first non-empty line
-        lines = itertools.chain(head, lines)
-        first = next((line for line in head if line.strip()), "")
-        if first.startswith("<doc"):
-            yield from _wiki_docs(lines, path)
-            return
-        doc = []
-        for line in lines:
-            if line.strip() == _SEPARATOR:
-                text = "".join(doc).strip()
-                if text:
-                    yield text
-                doc = []
-            else:
-                doc.append(line)
-        text = "".join(doc).strip()
-        if text:
-            yield text
+    lines = read_lines(path)
+    head = list(itertools.islice(lines, 64))  # enough to find the first non-empty line
+    lines = itertools.chain(head, lines)
+    first = next((line for line in head if line.strip()), "")
+    if first.startswith("<doc"):
+        yield from _wiki_docs(lines, path)
+        return
+    doc = []
+    for line in lines:
+        if line.strip() == _SEPARATOR:
+            text = "".join(doc).strip()
+            if text:
+                yield text
+            doc = []
+        else:
+            doc.append(line)
+    text = "".join(doc).strip()
+    if text:
+        yield text
 
 
 def iter_jsonl_docs(path, key="text"):
     """The non-empty `key` fields of a JSON-lines file."""
-    with open_text(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e})") from None
-            if not isinstance(row, dict) or key not in row:
-                raise ValueError(f"{path}:{lineno}: expected an object with a {key!r} field")
-            text = row[key]
-            if text and text.strip():
-                yield text
+    for lineno, line in enumerate(read_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: invalid JSON ({e})") from None
+        if not isinstance(row, dict) or key not in row:
+            raise DataError(f"{path}:{lineno}: expected an object with a {key!r} field")
+        text = row[key]
+        if text and text.strip():
+            yield text
 
 
 def iter_file_docs(paths, fmt):
@@ -151,7 +165,7 @@ def _load_records(out_dir, name, settings):
         return [], False
     state = json.loads(path.read_text())
     if state.get("settings") != settings:
-        raise ValueError(
+        raise DataError(
             f"{out_dir} holds {name} shards prepared with other settings:\n"
             f"  then: {state.get('settings')}\n  now:  {settings}\n"
             "use another --out-dir (or delete that one) to prepare with the new settings"
@@ -190,9 +204,9 @@ def prepare(
     """
     out_dir = Path(out_dir)
     if shard_size < 1:
-        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+        raise DataError(f"shard_size must be >= 1, got {shard_size}")
     if val_docs is None and (val_tokens is None or val_tokens < 1):
-        raise ValueError("give val_docs, or val_tokens >= 1 to cut validation from the documents")
+        raise DataError("give val_docs, or val_tokens >= 1 to cut validation from the documents")
     settings = json.loads(
         json.dumps(
             {
@@ -262,7 +276,7 @@ def prepare(
                 if fill:
                     flush(phase, doc_index, 0)
                 if val_count == 0:
-                    raise ValueError(f"{name}: the validation documents are empty")
+                    raise DataError(f"{name}: the validation documents are empty")
                 phase = split
             pos = offset
             while pos < len(toks):
@@ -285,7 +299,7 @@ def prepare(
     if fill:
         flush(phase, doc_index, 0)
     if phase == "val":
-        raise ValueError(
+        raise DataError(
             f"{name}: no training documents left after the validation split ({val_count} tokens);"
             " give more input, a separate validation file, or a smaller validation size"
         )

@@ -19,7 +19,11 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 
 
-class ShardError(ValueError):
+class DataError(ValueError):
+    """Input data that cannot be used as it is; the message names the file and the problem."""
+
+
+class ShardError(DataError):
     """A shard file that is not a valid llm.c token shard; the message names the file."""
 
 

@@ -10,7 +10,8 @@ shards. Local text files use the TinyStories release format: stories separated b
 
 import argparse
 
-from data.prepare import CACHE_DIR, add_prepare_args, prepare, run_local
+from data.prepare import CACHE_DIR, CLI_ERRORS, add_prepare_args, prepare, run_local
+from errors import run_main
 
 HUB_REPO = "roneneldan/TinyStories"
 
@@ -47,7 +48,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, CLI_ERRORS)
 
 # Expected output from the hub (estimate, not measurable offline: 2.12M train / 22K validation
 # stories of ~220 GPT-2 tokens): tinystories_val_000000.bin ~4.7M tokens (~9.5 MB) and

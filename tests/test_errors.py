@@ -1,0 +1,161 @@
+"""Errors a user can fix are one line naming the file and the problem, exit status 1, no
+traceback (errors.py; GPT2_DEBUG=1 shows it): data, config files, for train.py and the prepare
+scripts."""
+
+import functools
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import data.fineweb
+import train
+from data.prepare import CLI_ERRORS
+from data.shards import HEADER_BYTES, read_shard, write_shard
+from errors import run_main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def one_line_error(main, user_errors):
+    """The message main() exits with through run_main (the command lines' path), checked to be
+    one line."""
+    with pytest.raises(SystemExit) as exit_:
+        run_main(main, user_errors)
+    msg = exit_.value.code
+    assert isinstance(msg, str) and "\n" not in msg
+    return msg
+
+
+def _patch(path, offset, value):
+    """Overwrite the bytes of `value` (a numpy scalar) at `offset` of the file."""
+    raw = bytearray(path.read_bytes())
+    raw[offset : offset + value.nbytes] = value.tobytes()
+    path.write_bytes(bytes(raw))
+
+
+def _token(position, token_id):  # a shard's token at `position` set to `token_id`
+    return lambda p: _patch(p, HEADER_BYTES + 2 * position, np.uint16(token_id))
+
+
+DAMAGE = {  # name -> (which shard, how it is damaged, what the message says)
+    "bad magic": ("train_000001", lambda p: _patch(p, 0, np.int32(7)), "bad magic 7"),
+    "truncated": (
+        "train_000001",
+        lambda p: p.write_bytes(p.read_bytes()[:-7]),
+        "truncated or corrupt",
+    ),
+    "header count too large": (
+        "train_000002",
+        lambda p: _patch(p, 8, np.int32(10**6)),
+        "header says 1000000 tokens",
+    ),
+    "train token id": ("train_000001", _token(500, 50257), "token id 50257 at position 500"),
+    "val token id": ("val_000000", _token(600, 60000), "token id 60000 at position 600"),
+    "too few train tokens": (
+        "train_000002",
+        lambda p: write_shard(p, [1] * 100),
+        "100 tokens is too small for one step",
+    ),
+    "too few val tokens": (
+        "val_000000",
+        lambda p: write_shard(p, [1] * 100),
+        "are too small for one step",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_data_errors_name_the_file_in_one_line(tiny_args, tiny_data, tmp_path, damage):
+    shard, spoil, says = DAMAGE[damage]
+    dataset = tmp_path / "data"
+    shutil.copytree(tiny_data, dataset)
+    (path,) = dataset.glob(f"*_{shard}.bin")
+    spoil(path)
+    args = tiny_args + [f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", "--max_steps=2"]
+    msg = one_line_error(functools.partial(train.main, args), train.USER_ERRORS)
+    assert msg.startswith("data error: ") and str(path) in msg and says in msg
+    assert not (tmp_path / "out").exists()  # found before anything was written
+
+
+@pytest.mark.parametrize("where", ["missing", "empty"])
+def test_a_missing_or_empty_dataset_folder(tiny_args, tmp_path, where):
+    folder = tmp_path / "nothing"
+    if where == "empty":
+        folder.mkdir()
+    args = tiny_args + [f"--dataset={folder}", f"--out_dir={tmp_path / 'out'}"]
+    msg = one_line_error(functools.partial(train.main, args), train.USER_ERRORS)
+    assert msg.startswith("data error: ") and str(folder) in msg
+    assert ("neither 'embedded' nor a folder" if where == "missing" else "no train shards") in msg
+
+
+def test_a_bad_later_shard_stops_with_what_was_saved(tiny_args, tiny_data, tmp_path):
+    """Train shard 2's ids are checked when the loader reaches it (at step 3 with shard 1 cut to
+    1,000 tokens): the error says so and that the step-2 checkpoint is the newest one."""
+    dataset = tmp_path / "data"
+    shutil.copytree(tiny_data, dataset)
+    (first,) = dataset.glob("*_train_000001.bin")
+    write_shard(first, read_shard(first)[:1000])
+    (path,) = dataset.glob("*_train_000002.bin")
+    _token(19999, 50300)(path)
+    out = tmp_path / "out"
+    args = tiny_args + [f"--dataset={dataset}", f"--out_dir={out}", "--max_steps=100"]
+    args += ["--ckpt_interval=2", "--eval_interval=0"]
+    msg = one_line_error(functools.partial(train.main, args), train.USER_ERRORS)
+    assert msg.startswith(f"data error: {path}: token id 50300 at position 19999")
+    newest = out / "ckpt_0000002.pt"
+    assert "stopped at step 3 without saving" in msg and newest.exists()
+    assert msg.endswith(f"without saving; the newest checkpoint, {newest}, is intact")
+
+
+def test_train_py_prints_one_line_and_gpt2_debug_the_traceback(tiny_args, tmp_path):
+    args = [a for a in tiny_args if not a.startswith("--dataset")]
+    cmd = [sys.executable, "train.py", *args, f"--dataset={tmp_path}", f"--out_dir={tmp_path}/o"]
+    for debug in ("0", "1"):
+        env = dict(os.environ, GPT2_DEBUG=debug)
+        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 1
+        if debug == "0":
+            assert res.stderr == f"data error: no train shards in {tmp_path} " + (
+                "(expected files matching *_train_*.bin; make them with python -m data.fineweb "
+                "or python -m data.tinystories)\n"
+            )
+        else:
+            assert "Traceback" in res.stderr and "DataError: no train shards" in res.stderr
+
+
+@pytest.mark.parametrize("kind", ["binary", "truncated .xz"])
+def test_prepare_names_an_unreadable_input_file(tmp_path, kind):
+    path = tmp_path / ("shard.bin" if kind == "binary" else "text.txt.xz")
+    if kind == "binary":
+        path.write_bytes(b"a line of text\n" + bytes(range(256)) * 4)
+    else:
+        path.write_bytes(lzma.compress(b"some text\n" * 10000)[:100])
+    argv = ["--from-text", str(path), "--out-dir", str(tmp_path / "out"), "--no-progress"]
+    msg = one_line_error(functools.partial(data.fineweb.main, argv), CLI_ERRORS)
+    if kind == "binary":
+        assert (
+            msg == f"data error: {path}: not UTF-8 text (invalid start byte 0x80); a binary file?"
+        )
+    else:
+        assert msg.startswith(f"data error: {path}: cannot be decompressed (")
+
+
+def test_prepare_command_line_error_is_one_line(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(bytes(range(256)) * 4)
+    res = subprocess.run(
+        [sys.executable, "-m", "data.fineweb", "--from-text", str(path), "--no-progress"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == [
+        f"data error: {path}: not UTF-8 text (invalid start byte 0x80); a binary file?"
+    ]
