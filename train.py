@@ -4,8 +4,8 @@
     python train.py configs/gpt2_124m_fineweb.py --batch_size=32 --resume
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m_fineweb.py
 
-Settings are the fields of `TrainConfig`; a config file sets some of them with plain
-`name = value` lines, then `--name=value` arguments override (parsed as Python literals).
+Settings are the fields of `TrainConfig`; a config file (Python, run with runpy: `name = value`
+lines) sets some of them, then `--name=value` arguments override (parsed as Python literals).
 Checkpoints go to out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest one.
 """
 
@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import types
 import typing
 from dataclasses import asdict, dataclass
@@ -206,6 +207,21 @@ def _parse_arg(key, text, typ):
     return value
 
 
+def run_config_file(path):
+    """The names a config file defines. It is Python, run with runpy (hence arithmetic and
+    helpers); a syntax error, or a name that is not defined (text without quotes), is a
+    ConfigError saying file:line."""
+    try:
+        return runpy.run_path(path)
+    except SyntaxError as e:
+        text = f": {e.text.strip()}" if e.text and e.text.strip() else ""
+        raise ConfigError(f"{e.filename or path}:{e.lineno}: {e.msg}{text}") from e
+    except NameError as e:
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
+        where = f"{path}:{lines[-1]}" if lines else path
+        raise ConfigError(f"{where}: {e} (a config file is Python: text needs quotes)") from e
+
+
 def load_config(argv):
     """argv: [config.py ...] [--key=value | --flag ...] -> TrainConfig."""
     fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
@@ -224,7 +240,7 @@ def load_config(argv):
         elif arg.endswith(".py"):
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file {arg!r} not found")
-            for key, value in runpy.run_path(arg).items():
+            for key, value in run_config_file(arg).items():
                 # modules, functions and _private helpers are not settings
                 if key.startswith("_") or callable(value) or isinstance(value, types.ModuleType):
                     continue

@@ -3,12 +3,14 @@
 import glob
 import math
 import os
+import re
 
 import pytest
 import torch
 
 import checkpoint
 import train
+from errors import run_main
 from train import ConfigError, TrainConfig, get_lr, grad_accum_steps, load_config, peak_flops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,6 +93,14 @@ def test_bad_config_files(tmp_path):
     bad.write_text("max_steps = 10e9 / 524288\n")  # float for an int field
     with pytest.raises(ConfigError, match="max_steps"):
         load_config([str(bad)])
+    bad.write_text("max_steps = 10\nlearning_rate = = 3e-4\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(bad))}:2: invalid syntax: learning"):
+        load_config([str(bad)])
+    bad.write_text("# the text of a setting needs quotes\nmodel = gpt2\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(bad))}:2: name 'gpt2' is not defined"):
+        load_config([str(bad)])
+    with pytest.raises(SystemExit, match=r"^config error: .*bad.py:2: name 'gpt2'[^\n]*$"):
+        run_main(lambda: train.main([str(bad)]), train.USER_ERRORS)  # one line on the command line
     with pytest.raises(ConfigError, match="not found"):
         load_config([str(tmp_path / "missing.py")])
     with pytest.raises(ConfigError, match="unexpected argument"):
