@@ -462,7 +462,28 @@ class _StopFlag:
             os.kill(os.getpid(), signum)
         self.requested = True
         self.seen.add(signum)
-        print(f"signal {signum}: finishing this step, saving a checkpoint, exiting", flush=True)
+        msg = f"signal {signum}: finishing this step, saving a checkpoint, exiting\n"
+        try:  # os.write, not print: the handler may have interrupted a print (not re-entrant)
+            os.write(sys.stdout.fileno(), msg.encode())
+        except OSError:  # a closed stdout: the stop goes on without the message
+            pass
+
+
+def say(*args):
+    """print(*args), flushed. Output that cannot be written (stdout a pipe whose reader has gone,
+    as when the Ctrl-C that stops a run also ends its `| tee`) is dropped: stdout then goes to
+    /dev/null, so that the run, its checkpoint and the flush at exit go on; log.jsonl still gets
+    every record."""
+    try:
+        print(*args, flush=True)
+    except OSError:
+        try:
+            fd = sys.stdout.fileno()
+        except (OSError, ValueError):  # not a file (a capture): nothing to redirect
+            return
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
 
 
 class _StepStats:
@@ -652,7 +673,7 @@ def main(argv=None, train_loader=DataLoader):
 
     def print0(*args):
         if master:
-            print(*args, flush=True)
+            say(*args)
 
     log_file = run = None
     finished = False  # the run reached its end on this rank (not an exception)

@@ -165,6 +165,40 @@ def test_ctrl_c_saves_and_exits_zero_then_resumes(tiny_args, tmp_path):
     assert sorted(losses) == list(range(step + 2))
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_closed_stdout_and_stderr_do_not_stop_training(tiny_args, tmp_path, sig):
+    """`python train.py | tee log`, then a Ctrl-C that ends tee too: stdout's and stderr's
+    reader is gone. Training goes on (what cannot be printed is dropped, log.jsonl gets every
+    step), and the signal still saves a checkpoint and exits 0."""
+    out = tmp_path / "out"
+    args = tiny_args + [f"--out_dir={out}", "--eval_interval=0", "--ckpt_interval=0"]
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *args, "--max_steps=100000"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    log = out / "log.jsonl"
+    wait_for(log, proc)
+
+    def wait_for_steps(n):
+        t0 = time.time()
+        while len(log.read_text().splitlines()) < n:
+            assert proc.poll() is None, f"train.py ended with status {proc.returncode}"
+            assert time.time() - t0 < 120
+            time.sleep(0.05)
+
+    wait_for_steps(2)
+    proc.stdout.close()  # the reader has gone: every later write to the pipes fails (EPIPE)
+    proc.stderr.close()
+    wait_for_steps(len(log.read_text().splitlines()) + 3)  # steps printed into closed pipes
+    proc.send_signal(sig)
+    assert proc.wait(timeout=120) == 0
+    (ckpt,) = train.list_checkpoints(out)
+    step = torch.load(ckpt, weights_only=True)["step"]
+    assert sorted(read_log(out)[0]) == list(range(step))
+
+
 def test_resume_rules(tiny_args, tmp_path):
     args = tiny_args + [f"--out_dir={tmp_path}", "--max_steps=1"]
     train.main(args + ["--resume"])  # nothing to resume: starts from step 0
