@@ -449,8 +449,9 @@ def format_step(rec, max_steps):
 
 
 class _StopFlag:
-    """SIGTERM/SIGINT set a flag: the loop finishes its step, saves and exits. A second Ctrl-C
-    kills at once; repeated SIGTERMs (a launcher forwarding one) only set the flag again."""
+    """SIGTERM/SIGINT set a flag: the loop finishes its step, saves and exits (under DDP after one
+    more step, see main). A second Ctrl-C kills at once; repeated SIGTERMs (a launcher forwarding
+    one) only set the flag again."""
 
     def __init__(self):
         self.requested = False
@@ -858,12 +859,19 @@ def main(argv=None, train_loader=DataLoader):
                     "rng": {k: [r[k] for r in rngs] for k in rngs[0]},  # lists by rank
                     "val_loss": val_loss,
                 }
-                print0(f"saved {save_checkpoint(ckpt, cfg.out_dir, step, cfg.keep_last)}")
+                t0 = time.perf_counter()
+                path = save_checkpoint(ckpt, cfg.out_dir, step, cfg.keep_last)
+                mb, dt = os.path.getsize(path) / 1e6, time.perf_counter() - t0
+                print0(f"saved {path} ({mb:,.1f} MB in {dt:.1f} s)")  # a stop's time is mostly this
 
         # --- the loop; eval, samples, checkpoints at the top so they also follow the last step
         stop = _StopFlag()
         old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
-        stop_all = False  # stop.requested on any rank, agreed through the all-reduce below
+        # stop after this step: one process reads its own flag at the top of each step, so the
+        # step in flight finishes and then it saves; under DDP the ranks must agree on the step,
+        # which they do through the flag in each step's all-reduce (below), read one step late
+        # like the loss (reading it at once would make the GPU wait for the host every step)
+        stop_all = False
         val_loss = None
         pending, prev_end = None, None  # the last step's _StepStats, read one step late
         check_training = use_compile and cfg.check_compile and cfg.dropout == 0.0
@@ -897,6 +905,7 @@ def main(argv=None, train_loader=DataLoader):
 
         for step in range(start_step, cfg.max_steps + 1):
             last_step = step == cfg.max_steps
+            stop_all = stop_all or (stop.requested and not ddp)
             fresh = step > start_step or start_step == 0  # a resumed run did its first top
             top_work = (
                 last_step

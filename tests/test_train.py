@@ -165,6 +165,26 @@ def test_ctrl_c_saves_and_exits_zero_then_resumes(tiny_args, tmp_path):
     assert sorted(losses) == list(range(step + 2))
 
 
+def test_a_stop_saves_right_after_the_step_in_flight(tiny_args, tmp_path, monkeypatch):
+    """SIGTERM during step 3 (in its second forward; 2 micro-steps a step): step 3 finishes, the
+    run saves at step 4 and returns; no further step runs."""
+    forwards = []
+
+    class SignalledGPT(GPT):
+        def forward(self, idx, targets=None):
+            if self.training:
+                forwards.append(1)
+                if len(forwards) == 8:
+                    os.kill(os.getpid(), signal.SIGTERM)  # train.main's handler takes it
+            return super().forward(idx, targets)
+
+    monkeypatch.setattr(train, "GPT", SignalledGPT)
+    args = tiny_args + [f"--out_dir={tmp_path}", "--eval_interval=0", "--ckpt_interval=0"]
+    train.main(args + ["--max_steps=100"])
+    assert [os.path.basename(p) for p in train.list_checkpoints(tmp_path)] == ["ckpt_0000004.pt"]
+    assert sorted(read_log(tmp_path)[0]) == [0, 1, 2, 3] and len(forwards) == 8
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_closed_stdout_and_stderr_do_not_stop_training(tiny_args, tmp_path, sig):
     """`python train.py | tee log`, then a Ctrl-C that ends tee too: stdout's and stderr's
