@@ -450,8 +450,8 @@ def format_step(rec, max_steps):
 
 class _StopFlag:
     """SIGTERM/SIGINT set a flag: the loop finishes its step, saves and exits (under DDP after one
-    more step, see main). A second Ctrl-C kills at once; repeated SIGTERMs (a launcher forwarding
-    one) only set the flag again."""
+    or two more steps, see main). A second Ctrl-C kills at once; repeated SIGTERMs (a launcher
+    forwarding one) only set the flag again."""
 
     def __init__(self):
         self.requested = False
