@@ -886,7 +886,7 @@ def main(argv=None, train_loader=DataLoader):
             if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
                 raise SystemExit(
                     f"error: step {st.step}: loss {loss_val}, grad norm {norm_val}: not finite. "
-                    "Stopped without saving; the last checkpoint is intact. Try a lower "
+                    f"Stopped without saving; {newest_note(cfg.out_dir)}. Try a lower "
                     "learning_rate or more warmup_steps."
                 )
             mfu = flops_per_step / dt / (peak * world_size) if peak else None

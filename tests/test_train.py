@@ -274,10 +274,23 @@ def test_non_finite_loss_stops_without_saving(tiny_args, tmp_path, monkeypatch):
         "--eval_interval=0",
         "--ckpt_interval=2",
     ]
-    with pytest.raises(SystemExit, match="not finite"):
+    newest = tmp_path / "ckpt_0000002.pt"
+    with pytest.raises(SystemExit, match=f"without saving; the newest checkpoint, {newest}, is"):
         train.main(args)
     # 6 good micro-steps = 3 steps; step 3 is poisoned; checkpoints only of finite states
     assert [os.path.basename(p) for p in train.list_checkpoints(tmp_path)] == ["ckpt_0000002.pt"]
+
+
+def test_non_finite_loss_before_any_checkpoint_says_so(tiny_args, tmp_path):
+    """--learning_rate=1e6 diverges at step 2, before anything was saved: the message says that
+    there is no checkpoint (not that "the last checkpoint is intact")."""
+    args = tiny_args + [f"--out_dir={tmp_path}", "--max_steps=10", "--eval_interval=0"]
+    with pytest.raises(SystemExit) as exit_:
+        train.main(args + ["--learning_rate=1e6"])
+    msg = str(exit_.value.code)
+    assert msg.startswith("error: step 2: loss nan") and "intact" not in msg
+    assert f"Stopped without saving; no checkpoint has been saved in {tmp_path}." in msg
+    assert train.list_checkpoints(tmp_path) == []
 
 
 def test_oom_error_suggests_a_smaller_micro_batch(tiny_args, tmp_path, monkeypatch):
