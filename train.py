@@ -736,6 +736,14 @@ def main(argv=None, train_loader=DataLoader):
             load_optimizer_state(optimizer, ckpt["optimizer"])
             note = loader.load_state_dict(ckpt["loader"])  # one position for all ranks, any W
             start_step = ckpt["step"]
+            if start_step >= cfg.max_steps:
+                print0(
+                    f"{path}: the run finished at step {start_step} (max_steps={cfg.max_steps}), "
+                    "nothing to train; a larger --max_steps trains on (the learning-rate schedule "
+                    "then follows the new max_steps)"
+                )
+                finished = True
+                return
             notes.append(f"resumed from {path} at step {start_step}")
             if note:  # the checkpoint's data order is not the one cfg asks for; it continues
                 notes.append(note)

@@ -250,6 +250,22 @@ def test_resume_rules(tiny_args, tmp_path):
         train.main(more[:-2] + ["--max_steps=3", "--resume", "--low_precision_residual=False"])
 
 
+def test_resume_of_a_finished_run_says_so(tiny_args, tmp_path, capsys):
+    args = tiny_args + [f"--out_dir={tmp_path}", "--eval_interval=0"]
+    train.main(args + ["--max_steps=2"])
+    log = (tmp_path / "log.jsonl").read_text()
+    for max_steps in (2, 1):
+        capsys.readouterr()
+        train.main(args + [f"--max_steps={max_steps}", "--resume"])
+        ckpt = tmp_path / "ckpt_0000002.pt"
+        assert capsys.readouterr().out == (
+            f"{ckpt}: the run finished at step 2 (max_steps={max_steps}), nothing to train; a "
+            "larger --max_steps trains on (the learning-rate schedule then follows the new "
+            "max_steps)\n"
+        )
+    assert (tmp_path / "log.jsonl").read_text() == log
+
+
 def test_resume_may_switch_the_mlp_impl(tiny_args, tmp_path):
     """mlp_impl says how the MLP is computed, not what: a checkpoint resumes under either."""
     args = tiny_args + [f"--out_dir={tmp_path}"]
