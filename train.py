@@ -99,7 +99,7 @@ class TrainConfig:
     # checkpoints and logs
     out_dir: str = "out"
     ckpt_interval: int = 100  # 0: only at the end (and on SIGTERM/SIGINT)
-    keep_last: int = 3
+    keep_last: int = 1  # the newest n (0: all); the demo's is 87 MB, the configs/ recipes keep 3
     resume: bool = False  # continue from the newest checkpoint in out_dir
     wandb: bool = False
     wandb_project: str = "gpt2"

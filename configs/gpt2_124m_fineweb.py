@@ -16,4 +16,5 @@ eval_interval = 250
 val_tokens = 10485760  # the llm.c / modded-nanogpt validation budget
 sample_interval = 2000
 ckpt_interval = 1000
+keep_last = 3  # the newest three: a resume falls back past a damaged one
 out_dir = "out/gpt2_124m_fineweb"

@@ -16,4 +16,5 @@ eval_interval = 250
 val_tokens = 10485760
 sample_interval = 5000
 ckpt_interval = 2000
+keep_last = 3  # the newest three: a resume falls back past a damaged one
 out_dir = "out/gpt2_350m_fineweb"

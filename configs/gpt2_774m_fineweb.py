@@ -15,4 +15,5 @@ eval_interval = 500
 val_tokens = 10485760
 sample_interval = 10000
 ckpt_interval = 2000
+keep_last = 3  # the newest three: a resume falls back past a damaged one
 out_dir = "out/gpt2_774m_fineweb"

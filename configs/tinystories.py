@@ -17,4 +17,5 @@ eval_interval = 250
 val_tokens = 1048576
 sample_interval = 500
 ckpt_interval = 1000
+keep_last = 3  # the newest three: a resume falls back past a damaged one
 out_dir = "out/tinystories"

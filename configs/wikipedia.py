@@ -17,4 +17,5 @@ eval_interval = 100
 val_tokens = 10485760  # clipped by the loader to the ~1.03M tokens the val shard holds
 sample_interval = 250
 ckpt_interval = 250
+keep_last = 3  # the newest three: a resume falls back past a damaged one
 out_dir = "out/wiki"

@@ -1,6 +1,7 @@
 """End-to-end runs of train.py on CPU with a tiny model: smoke, exact resume after a kill,
 Ctrl-C, non-finite loss, OOM hint, the loss plot, wandb."""
 
+import glob
 import json
 import os
 import signal
@@ -81,6 +82,14 @@ def test_default_config_smoke(tmp_path, capsys):
     model, ckpt = GPT.from_checkpoint(out / "ckpt_0000003.pt")
     assert CKPT_KEYS <= set(ckpt) and ckpt["step"] == 3 and ckpt["val_loss"] == vals[3]
     assert ckpt["train_config"]["max_steps"] == 3 and model.config.n_layer == 4
+
+
+def test_default_run_keeps_one_checkpoint(tiny_args, tmp_path):
+    """keep_last=1 by default (the demo's checkpoint is 87 MB); the recipes keep 3."""
+    train.main(tiny_args + [f"--out_dir={tmp_path}", "--max_steps=4", "--ckpt_interval=1"])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000004.pt", "log.jsonl"]
+    for path in glob.glob(os.path.join(REPO, "configs", "*.py")):
+        assert train.load_config([path]).keep_last == 3, path
 
 
 def test_loss_drops_and_log_records(tiny_args, tmp_path):
