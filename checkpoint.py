@@ -85,7 +85,9 @@ def _remove(path):
 
 
 def _write_failed(path, obj, e):
-    cause = e.__context__ if isinstance(e.__context__, OSError) else e
+    cause = e.__context__ if isinstance(e, RuntimeError) else e  # the OSError under torch's
+    if not isinstance(cause, OSError):
+        cause = e
     reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
     out_dir = os.path.dirname(path) or "."
     free = shutil.disk_usage(out_dir).free

@@ -72,6 +72,19 @@ def test_a_checkpoint_write_that_fails_leaves_no_temp_file_and_says_why(
     assert max(read_log(out)[0]) == 3
 
 
+def test_a_failed_fsync_is_reported_the_same_way(tmp_path, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint.os, "fsync", full)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.save_checkpoint({"w": torch.ones(250_000)}, tmp_path, 1, keep_last=1)
+    msg = str(err.value)
+    assert msg.startswith(f"cannot write {tmp_path / 'ckpt_0000001.pt'}: No space left")
+    assert msg.endswith(f"needs about 1.0 MB); no checkpoint has been saved in {tmp_path}")
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 800 KB tmpfs (room for one tiny-run checkpoint of 554 KB, not two); needs root."""
