@@ -145,3 +145,17 @@ def test_parity_reference_draws_random_windows_of_all_train_tokens(tmp_path):
     assert not torch.equal(
         other.next_batch()[0], parity.RandomWindows(pattern, 8, 16, seed=3).next_batch()[0]
     )
+
+
+def test_throughput_child_trains_and_skips_the_final_checkpoint(tiny_args, tmp_path):
+    """throughput.py's child runs the real train.main with its final checkpoint replaced (it
+    patches train.save_checkpoint: a move of that name must break this test, not a GPU call),
+    and its log gives step_stats what they read."""
+    out = tmp_path / "run"
+    args = [*tiny_args, "--max_steps=4", "--eval_interval=0", "--sample_interval=0"]
+    res = throughput.run_child([*args, f"--out_dir={out}"], timeout=300)
+    assert res["rc"] == 0, res.get("error")
+    assert res["peak_gib"] == 0.0  # no CUDA here
+    assert not list(out.glob("ckpt_*.pt")) and (out / "no_checkpoint_in_benchmarks").exists()
+    st = throughput.step_stats(str(out / "log.jsonl"), warmup=1)
+    assert st["tok_per_s"] > 0 and st["loss_last"] < st["loss_first"]
