@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fused_loss.fused as fl  # noqa: E402
+import model_io  # noqa: E402
 from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 
 SHAPES = {"124M": (32768, 768, 50304), "1558M": (16384, 1600, 50304), "256k": (8192, 2304, 256000)}
@@ -44,9 +45,8 @@ def real_inputs(ckpt, tokens, N):
     """Final-LayerNorm outputs (N, D) bf16 of a checkpoint of ours on the first N+1 tokens of a
     shard, its tied classifier (bf16) and the next-token targets: a trained model's softmax."""
     from data.shards import read_shard
-    from model import GPT
 
-    model, _ = GPT.from_checkpoint(ckpt, map_location="cuda")
+    model, _ = model_io.from_checkpoint(ckpt, map_location="cuda")
     T = model.config.block_size
     toks = torch.from_numpy(read_shard(tokens)[: N + 1].astype("int64")).cuda()
     idx, tgt = toks[:N].view(-1, T), toks[1 : N + 1]
