@@ -47,7 +47,7 @@ class TrainConfig:
     bias: bool = setting(True, "biases in Linears and LayerNorms, as GPT-2")
     # fast paths: "fast" or "torch" (the plain PyTorch path); both compute the same math
     loss_impl: str = setting("fast", '"fast": fused linear+cross-entropy; "torch": full logits')
-    mlp_impl: str = setting("fast", '"fast": MLP GELU in cuBLASLt GEMM epilogues; "torch"')
+    mlp_impl: str = setting("fast", '"fast": the GELU in cuBLASLt epilogues; "torch": F.gelu')
     adamw_impl: str = setting("fast", '"fast": one Triton launch (CUDA fp32); "torch": torch.optim')
     low_precision_residual: bool = setting(True, "residual stream in bf16 under autocast (llm.c)")
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
@@ -79,9 +79,9 @@ class TrainConfig:
     wandb_run_name: str = setting("", "W&B run name")
     # system
     device: str = setting("auto", '"auto", "cpu", "cuda", "cuda:N"')
-    dtype: str = setting("auto", '"auto" (bfloat16 autocast on CUDA, float32 on CPU), ...')
+    dtype: str = setting("auto", '"auto" (bf16 on CUDA, fp32 on CPU), "bfloat16", "float32"')
     compile: bool | None = setting(None, "torch.compile the model (None: on for CUDA)")
-    compile_mode: str = setting("default", f"torch.compile mode: one of {COMPILE_MODES}")
+    compile_mode: str = setting("default", 'torch.compile mode: "default", "max-autotune", ...')
     # 1 saves what the partitioner chooses; below 1 the backward recomputes cheap pointwise
     # activations instead of keeping them, trading a little time for memory
     activation_memory_budget: float = setting(1.0, "torch.compile activation memory budget")

@@ -208,7 +208,7 @@ def test_from_checkpoint_file_and_newest_in_dir(tmp_path):
 
 def test_from_checkpoint_predated_settings(tmp_path):
     """A checkpoint written before a setting existed loads with the value it was trained with
-    (model.PREDATED), not today's default; one that has the setting keeps its own value."""
+    (model_io.PREDATED), not today's default; one that has the setting keeps its own value."""
     model = tiny()
     assert model.config.low_precision_residual is True  # today's default
     save_ckpt(tmp_path / "new.pt", model)
@@ -218,6 +218,16 @@ def test_from_checkpoint_predated_settings(tmp_path):
     torch.save(ckpt, tmp_path / "old.pt")
     loaded, _ = model_io.from_checkpoint(tmp_path / "old.pt")
     assert loaded.config.low_precision_residual is False
+
+
+def test_from_checkpoint_old_switch_names(tmp_path):
+    """A checkpoint saved when the fast paths were called "fused" and "cublaslt" loads as "fast"."""
+    save_ckpt(tmp_path / "new.pt", tiny())
+    ckpt = torch.load(tmp_path / "new.pt")
+    ckpt["model_config"].update(loss_impl="fused", mlp_impl="cublaslt")
+    torch.save(ckpt, tmp_path / "old.pt")
+    loaded, _ = model_io.from_checkpoint(tmp_path / "old.pt")
+    assert (loaded.config.loss_impl, loaded.config.mlp_impl) == ("fast", "fast")
 
 
 def test_from_checkpoint_errors(tmp_path):

@@ -244,7 +244,7 @@ def test_resume_rules(tiny_args, tmp_path):
     with pytest.raises(config.ConfigError, match="low_precision_residual"):
         train.main(args + ["--resume", "--low_precision_residual=False"])
     # a checkpoint from before a model setting existed was trained with the old behaviour
-    # (model.PREDATED), not today's default: resuming it needs that value, and the error says so;
+    # (model_io.PREDATED), not today's default: resuming it needs that value, and the error says so;
     # one with a setting this version does not know is refused, naming it
     (path,) = tmp_path.glob("ckpt_*.pt")
     ckpt = torch.load(path, weights_only=True)
@@ -280,12 +280,26 @@ def test_resume_of_a_finished_run_says_so(tiny_args, tmp_path, capsys):
     assert (tmp_path / "log.jsonl").read_text() == log
 
 
-def test_resume_may_switch_the_mlp_impl(tiny_args, tmp_path):
-    """mlp_impl says how the MLP is computed, not what: a checkpoint resumes under either."""
+@pytest.mark.parametrize("key,first", [("mlp_impl", "cublaslt"), ("loss_impl", "fused"),
+                                       ("adamw_impl", "fast")])  # fmt: skip
+def test_resume_may_switch_a_fast_path(tiny_args, tmp_path, key, first):
+    """The fast-path switches say how a layer or the update is computed, not what: a checkpoint
+    resumes under either value (the first run uses the switch's old name, still accepted)."""
     args = tiny_args + [f"--out_dir={tmp_path}"]
-    train.main(args + ["--max_steps=1", "--mlp_impl=cublaslt"])
-    train.main(args + ["--max_steps=2", "--resume", "--mlp_impl=torch"])
+    train.main(args + ["--max_steps=1", f"--{key}={first}"])
+    train.main(args + ["--max_steps=2", "--resume", f"--{key}=torch"])
     assert sorted(read_log(tmp_path)[0]) == [0, 1]
+
+
+def test_fast_path_switches_one_vocabulary():
+    """ "fast" | "torch" for every switch; the old names are aliases of "fast"."""
+    old = ["--loss_impl=fused", "--mlp_impl=cublaslt", "--adamw_impl=triton"]
+    cfg = config.load_config(old)
+    assert (cfg.loss_impl, cfg.mlp_impl, cfg.adamw_impl) == ("fast", "fast", "fast")
+    plain = config.load_config(["--loss_impl=torch", "--mlp_impl=torch", "--adamw_impl=torch"])
+    assert (plain.loss_impl, plain.mlp_impl, plain.adamw_impl) == ("torch", "torch", "torch")
+    with pytest.raises(config.ConfigError, match="adamw_impl"):
+        config.load_config(["--adamw_impl=cublaslt"])
 
 
 def test_non_finite_loss_stops_without_saving(tiny_args, tmp_path, monkeypatch):
