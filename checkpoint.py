@@ -172,3 +172,17 @@ def load_for_resume(out_dir, keys, warn, ddp=False, rank=0):
     if rank != 0 and path is not None:
         ckpt = load_checkpoint(path)
     return path, ckpt
+
+
+def rng_state(device):
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+    }
+
+
+def set_rng_state(state, rank, device):
+    """state: {"torch": [per-rank CPU RNG state], "cuda": [per-rank CUDA RNG state or None]}."""
+    torch.set_rng_state(state["torch"][rank])
+    if device.type == "cuda" and state["cuda"][rank] is not None:
+        torch.cuda.set_rng_state(state["cuda"][rank], device)

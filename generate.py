@@ -7,7 +7,7 @@ live in preallocated (B, nh, max_len, hs) buffers, one pair per layer; the posit
 int64 tensor on the device; attention reads all max_len keys under an additive mask (0 up to the
 position, the dtype's lowest value after it); sampling runs inside the step too. A token then
 costs one graph launch and no host sync, where eager decoding is bound by ~15 kernel launches per
-layer (bench/notes_model.md).
+layer (bench/RESULTS.md §3).
 
 decode=  "graph"      the eager step captured in one torch.cuda.CUDAGraph: no compiler, set up by
                       a few eager steps and one capture. The default on CUDA: sample.py makes one

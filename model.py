@@ -12,19 +12,14 @@ the blocks through a KV cache on a separate path (`_decode`), so the training fo
 nanoGPT.
 """
 
-import json
 import math
-import struct
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import generate
-from checkpoint import load_checkpoint
 from fused_loss import cublaslt, fused_linear_cross_entropy, linear_cross_entropy_reference
 from fused_loss.mlp import mlp_cublaslt, mlp_reference
 
@@ -37,10 +32,22 @@ _PRESETS = {
 }
 _ALIASES = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
 
+# The fast-path switches (loss_impl, mlp_impl; train.py's adamw_impl): "fast" or "torch" (the
+# plain PyTorch path, same math). The names each switch had before stay accepted.
+IMPLS = ("fast", "torch")
+_OLD_IMPL_NAMES = {"loss_impl": "fused", "mlp_impl": "cublaslt", "adamw_impl": "triton"}
 
-# Settings added after checkpoints were first written, with the value those older checkpoints
-# were trained with (where it is not the current default); checkpoint_settings applies them.
-PREDATED = {"low_precision_residual": False}
+
+def normalise_impl(key, value):
+    """A fast-path switch's value in today's vocabulary ("fused" for loss_impl -> "fast", ...)."""
+    if value == _OLD_IMPL_NAMES[key]:
+        return "fast"
+    if value not in IMPLS:
+        old = _OLD_IMPL_NAMES[key]
+        raise ValueError(
+            f"{key} must be 'fast' or 'torch' (or its old name {old!r}), got {value!r}"
+        )
+    return value
 
 
 @dataclass
@@ -53,19 +60,16 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linears and LayerNorms, as GPT-2
-    loss_impl: str = "fused"  # "fused" -> fused_linear_cross_entropy, "torch" -> the reference
+    loss_impl: str = "fast"  # "fast": fused_linear_cross_entropy; "torch": the reference
     # Under autocast, keep the residual stream (and so its gradient) in the autocast dtype, as
     # llm.c keeps it in bf16, instead of the fp32 that the fp32 embeddings make it (nanoGPT):
     # half the bytes in every residual add and LayerNorm read. Matmuls, LayerNorm statistics and
-    # the loss are computed as before; no effect without autocast. On by default since session
-    # 17 (bench/RESULTS.md runs 41-42: +4 % tok/s at 124M, -4.8 GiB at 1558M, val loss within
-    # the seed-to-seed spread of the fp32 stream's over 1000 steps).
+    # the loss are computed as before; no effect without autocast (bench/RESULTS.md §2b).
     low_precision_residual: bool = True
-    # "cublaslt": the MLP's GELU and its gradient run in cuBLASLt GEMM epilogues
-    # (fused_loss/mlp.py) where the matmuls run in bf16/fp16 on CUDA, the torch path elsewhere;
-    # "torch": F.linear + F.gelu everywhere. Same math; H200: +4.0 % tok/s at 124M, +0.9 % at
-    # 1558M (bench/RESULTS.md, session 20).
-    mlp_impl: str = "cublaslt"
+    # "fast": the MLP's GELU and its gradient run in cuBLASLt GEMM epilogues (fused_loss/mlp.py)
+    # where the matmuls run in bf16/fp16 on CUDA, the torch path elsewhere; "torch": F.linear +
+    # F.gelu everywhere. Same math (bench/RESULTS.md §2c).
+    mlp_impl: str = "fast"
 
     def __post_init__(self):
         if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.n_embd) < 1:
@@ -76,10 +80,9 @@ class GPTConfig:
             )
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if self.loss_impl not in ("fused", "torch"):
-            raise ValueError(f"loss_impl must be 'fused' or 'torch', got {self.loss_impl!r}")
-        if self.mlp_impl not in ("torch", "cublaslt"):
-            raise ValueError(f"mlp_impl must be 'torch' or 'cublaslt', got {self.mlp_impl!r}")
+        # old checkpoints say loss_impl="fused", mlp_impl="cublaslt"
+        self.loss_impl = normalise_impl("loss_impl", self.loss_impl)
+        self.mlp_impl = normalise_impl("mlp_impl", self.mlp_impl)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -92,33 +95,6 @@ class GPTConfig:
             raise ValueError(f"unknown preset {name!r}; choose one of {names}")
         n_layer, n_head, n_embd = _PRESETS[key]
         return cls(**{"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, **overrides})
-
-
-def checkpoint_settings(saved):
-    """A checkpoint's model_config completed: a key it predates takes the value it was trained
-    with (PREDATED), else the default. Keys GPTConfig does not know are kept for the caller to
-    name."""
-    defaults = {f.name: f.default for f in fields(GPTConfig)}
-    return defaults | PREDATED | saved
-
-
-def pick_device(name="auto"):
-    """ "auto" -> cuda if available else cpu; also "cpu", "cuda", "cuda:N"."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"bad device {name!r}: use auto, cpu, cuda or cuda:N") from e
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise ValueError(f"unsupported device {name!r}: use auto, cpu, cuda or cuda:N")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s)")
-    return device
 
 
 class CausalSelfAttention(nn.Module):
@@ -163,7 +139,7 @@ class MLP(nn.Module):
         # Decided here, once: probing for libcublasLt (ctypes) inside the forward would break
         # torch.compile's graph (tests/test_model.py checks that the forward reaches no probe)
         self.use_cublaslt = (
-            config.mlp_impl == "cublaslt" and torch.cuda.is_available() and cublaslt.available()
+            config.mlp_impl == "fast" and torch.cuda.is_available() and cublaslt.available()
         )
 
     def forward(self, x):
@@ -274,7 +250,7 @@ class GPT(nn.Module):
         if targets is not None:
             loss_fn = (
                 fused_linear_cross_entropy
-                if self.config.loss_impl == "fused"
+                if self.config.loss_impl == "fast"
                 else linear_cross_entropy_reference
             )
             return loss_fn(x, self.lm_head.weight, targets, vocab_size=self.config.vocab_size)
@@ -311,7 +287,7 @@ class GPT(nn.Module):
         )
 
     @classmethod
-    def _from_state_dict(cls, config, state_dict, map_location="cpu"):
+    def from_state_dict(cls, config, state_dict, map_location="cpu"):
         """Build a model from a state dict without a throwaway random init (meta device)."""
         with torch.device("meta"):
             model = cls(config)
@@ -334,213 +310,3 @@ class GPT(nn.Module):
         model.load_state_dict(state_dict, assign=True)
         model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced the tied pair
         return model
-
-    @classmethod
-    def from_checkpoint(cls, path, map_location="cpu"):
-        """Load (model, ckpt) from a checkpoint file, or the newest ckpt_*.pt of a directory."""
-        path = Path(path)
-        if path.is_dir():
-            ckpts = sorted(path.glob("ckpt_*.pt"))
-            if not ckpts:
-                raise FileNotFoundError(f"no ckpt_*.pt checkpoint in directory {path}")
-            path = ckpts[-1]  # names carry a zero-padded step, so the last is the newest
-        if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {path} does not exist")
-        ckpt = load_checkpoint(path, map_location)  # CheckpointError naming it if damaged
-        if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-            keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
-            raise ValueError(
-                f"{path} is not a checkpoint: needs 'model' and 'model_config', has {keys}"
-            )
-        known = {f.name for f in fields(GPTConfig)}
-        unknown = sorted(set(ckpt["model_config"]) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown model_config keys {unknown}; known: {sorted(known)}")
-        config = GPTConfig(**checkpoint_settings(ckpt["model_config"]))
-        return cls._from_state_dict(config, ckpt["model"], map_location), ckpt
-
-    @classmethod
-    def from_hf(cls, directory):
-        """Import an HF GPT-2 directory (config.json + model.safetensors or pytorch_model.bin).
-
-        HF's Conv1D weights are stored (in, out) and are transposed; the vocab is padded to a
-        multiple of 64 with zero rows. Returns a CPU fp32 model.
-        """
-        directory = Path(directory)
-        hf = _read_hf_config(directory)
-        vocab = hf["vocab_size"]
-        config = GPTConfig(
-            block_size=hf["n_positions"],
-            vocab_size=vocab,
-            padded_vocab_size=(vocab + 63) // 64 * 64,
-            n_layer=hf["n_layer"],
-            n_head=hf["n_head"],
-            n_embd=hf["n_embd"],
-        )
-        if (directory / "model.safetensors").is_file():
-            weights = _read_safetensors(directory / "model.safetensors")
-        elif (directory / "pytorch_model.bin").is_file():
-            weights = torch.load(
-                directory / "pytorch_model.bin", map_location="cpu", weights_only=True
-            )
-        else:
-            raise FileNotFoundError(
-                f"{directory} has neither model.safetensors nor pytorch_model.bin"
-            )
-        # Original OpenAI uploads have no "transformer." prefix and carry the causal-mask buffers.
-        weights = {k.removeprefix("transformer."): v for k, v in weights.items()}
-        weights = {
-            k: v for k, v in weights.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))
-        }
-        head = weights.pop("lm_head.weight", None)
-        if head is not None and not torch.equal(head, weights.get("wte.weight", head)):
-            raise ValueError(f"{directory}: lm_head.weight differs from wte.weight (untied head)")
-        sd = {}
-        for k, v in weights.items():
-            v = v.float()
-            if k.endswith(_CONV1D):
-                v = v.t()
-            if k == "wte.weight" and v.size(0) == vocab:
-                v = torch.cat([v, v.new_zeros(config.padded_vocab_size - vocab, v.size(1))])
-            sd["transformer." + k] = v.contiguous()
-        if "transformer.wte.weight" in sd:
-            sd["lm_head.weight"] = sd["transformer.wte.weight"]
-        return cls._from_state_dict(config, sd)
-
-    def save_hf(self, directory):
-        """Export to HF GPT-2's layout: config.json + model.safetensors (fp32, padding dropped)."""
-        cfg = self.config
-        if not cfg.bias:
-            raise ValueError("HF GPT-2 has biases everywhere; cannot export a bias=False model")
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        tensors = {}
-        for k, v in self.state_dict().items():
-            if k == "lm_head.weight":
-                continue  # tied to wte; HF re-ties it on load
-            v = v.detach().float().cpu()
-            k = k.removeprefix("transformer.")
-            if k == "wte.weight":
-                v = v[: cfg.vocab_size]
-            if k.endswith(_CONV1D):
-                v = v.t()
-            tensors["transformer." + k] = v.contiguous()
-        hf = {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "activation_function": "gelu_new",
-            "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.block_size,
-            "n_ctx": cfg.block_size,
-            "n_embd": cfg.n_embd,
-            "n_layer": cfg.n_layer,
-            "n_head": cfg.n_head,
-            "n_inner": None,
-            "layer_norm_epsilon": 1e-5,
-            "initializer_range": 0.02,
-            "resid_pdrop": cfg.dropout,
-            "embd_pdrop": cfg.dropout,
-            "attn_pdrop": cfg.dropout,
-            "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False,
-            "tie_word_embeddings": True,
-            "bos_token_id": 50256 if cfg.vocab_size > 50256 else None,  # GPT-2's <|endoftext|>
-            "eos_token_id": 50256 if cfg.vocab_size > 50256 else None,
-            "torch_dtype": "float32",
-        }
-        (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        _write_safetensors(directory / "model.safetensors", tensors)
-
-
-# HF stores these as Conv1D, weight (in, out): the transpose of nn.Linear's (out, in).
-_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-
-def _read_hf_config(directory):
-    path = directory / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: not an HF model directory")
-    hf = json.loads(path.read_text())
-    if hf.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"{path}: model_type {hf['model_type']!r} is not gpt2")
-    unsupported = {
-        "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
-        "scale_attn_weights": (True,),
-        "scale_attn_by_inverse_layer_idx": (False,),
-        "reorder_and_upcast_attn": (False,),
-        "tie_word_embeddings": (True,),
-    }
-    for key, ok in unsupported.items():
-        if key in hf and hf[key] not in ok:
-            raise ValueError(f"{path}: {key}={hf[key]!r} is not supported (need one of {ok})")
-    if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
-        raise ValueError(f"{path}: n_inner={hf['n_inner']} is not supported (need 4 * n_embd)")
-    if abs(hf.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
-        raise ValueError(f"{path}: layer_norm_epsilon={hf['layer_norm_epsilon']} (need 1e-5)")
-    return hf
-
-
-# safetensors: u64 little-endian header size, a JSON header {name: {dtype, shape, data_offsets}},
-# then the raw little-endian tensor bytes. Read and written here so no extra package is needed.
-_ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-def _read_safetensors(path):
-    data = np.memmap(path, dtype=np.uint8, mode="r")  # tensors are copied out one at a time
-    if len(data) < 8:
-        raise ValueError(f"{path}: too short to be a safetensors file")
-    (n,) = struct.unpack("<Q", data[:8].tobytes())
-    if 8 + n > len(data):
-        raise ValueError(f"{path}: header size {n} runs past the end of the file")
-    header = json.loads(data[8 : 8 + n].tobytes())
-    header.pop("__metadata__", None)
-    body = data[8 + n :]
-    out = {}
-    for name, info in header.items():
-        if info["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        if not 0 <= begin <= end <= len(body):
-            raise ValueError(f"{path}: tensor {name} has offsets outside the file")
-        raw = torch.from_numpy(np.array(body[begin:end]))
-        out[name] = raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return out
-
-
-def _write_safetensors(path, tensors):
-    names = {v: k for k, v in _ST_DTYPES.items()}
-    header, offset, chunks = {}, 0, []
-    for name, t in tensors.items():
-        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        header[name] = {
-            "dtype": names[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + len(raw)],
-        }
-        chunks.append(raw)
-        offset += len(raw)
-    header["__metadata__"] = {"format": "pt"}
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # keep the data 8-byte aligned
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for raw in chunks:
-            f.write(raw)
-    tmp.replace(path)  # never leave a half-written file under the real name
-
-
-__all__ = ["GPT", "GPTConfig", "checkpoint_settings", "pick_device"]

@@ -20,19 +20,10 @@ from pathlib import Path
 import torch
 
 import generate
+import model_io
 from checkpoint import CheckpointError
+from device import DTYPES, pick_device, resolve_dtype
 from errors import run_main
-from model import GPT, pick_device
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name, device):
-    """dtype name -> torch dtype; auto is bfloat16 on a GPU that supports it, else float32."""
-    if name == "auto":
-        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if cuda_bf16 else torch.float32
-    return _DTYPES[name]
 
 
 def load_model(ckpt=None, hf_dir=None, device="cpu", dtype=torch.float32):
@@ -40,9 +31,9 @@ def load_model(ckpt=None, hf_dir=None, device="cpu", dtype=torch.float32):
     if (ckpt is None) == (hf_dir is None):
         raise ValueError("give exactly one of ckpt or hf_dir")
     if ckpt is not None:
-        model, _ = GPT.from_checkpoint(ckpt, map_location="cpu")
+        model, _ = model_io.from_checkpoint(ckpt, map_location="cpu")
     else:
-        model = GPT.from_hf(hf_dir)
+        model = model_io.from_hf(hf_dir)
     # Whole-model cast, not autocast: decoding is latency-bound and the cast weights halve traffic.
     return model.to(device=device, dtype=dtype).eval()
 
@@ -62,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, e.g. 0.95")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES])
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument(
         "--decode",
         default="auto",

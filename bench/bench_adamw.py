@@ -9,7 +9,7 @@ the parameter shapes of a GPT-2 preset (fp32 params, grads and moments, as train
 
 - torch: `clip_grad_norm_` then `torch.optim.AdamW(fused=True).step()` (train.py before
   session 18);
-- train.py: `train.clipped_step`, the norm then the fused step with the clip factor passed as
+- train.py: `optim.clipped_step`, the norm then the fused step with the clip factor passed as
   its grad_scale (read in-kernel; the kernel writes the clipped grads back: 36 bytes);
 - torch adam: the fused step alone;
 - triton: the norm as torch computes it, then one Triton launch per parameter that reads the
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import train  # noqa: E402
+import optim  # noqa: E402
 from fused_loss.adamw import MultiTensorAdamW  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -160,13 +160,13 @@ def time_per_tensor(preset, layers, reps, device):
         opt.step()
 
     def train_step():
-        train.clipped_step(opt, params, MAX_NORM)
+        optim.clipped_step(opt, params, MAX_NORM)
 
     def triton_step():
         ours.step(clip_coef([p.grad for p in params], MAX_NORM))
 
     def multi_step():
-        train.clipped_step(multi, params, MAX_NORM)
+        optim.clipped_step(multi, params, MAX_NORM)
 
     rows = [
         ("torch: clip_grad_norm_ + fused AdamW", 40, clip_step),

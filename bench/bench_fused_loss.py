@@ -24,7 +24,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fused_loss.fused as fl  # noqa: E402
+import fused_loss.linear_cross_entropy as fl  # noqa: E402
+import model_io  # noqa: E402
 from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 
 SHAPES = {"124M": (32768, 768, 50304), "1558M": (16384, 1600, 50304), "256k": (8192, 2304, 256000)}
@@ -44,9 +45,8 @@ def real_inputs(ckpt, tokens, N):
     """Final-LayerNorm outputs (N, D) bf16 of a checkpoint of ours on the first N+1 tokens of a
     shard, its tied classifier (bf16) and the next-token targets: a trained model's softmax."""
     from data.shards import read_shard
-    from model import GPT
 
-    model, _ = GPT.from_checkpoint(ckpt, map_location="cuda")
+    model, _ = model_io.from_checkpoint(ckpt, map_location="cuda")
     T = model.config.block_size
     toks = torch.from_numpy(read_shard(tokens)[: N + 1].astype("int64")).cuda()
     idx, tgt = toks[:N].view(-1, T), toks[1 : N + 1]
@@ -182,7 +182,7 @@ def kernel_breakdown(x, w, t, vocab):
 
 
 # Variants of ours, timed at the 124M shape: memory budget (chunk size) and the row kernel's
-# launch (overrides of fl.EXTRA_BYTES and fl.CONFIGS["cuda"]).
+# launch (overrides of fl.EXTRA_BYTES and fl.LAUNCH["cuda"]).
 VARIANTS = {
     "forward": dict(row=dict(order="forward")),  # the default before run 14
     "pass2_back": dict(row=dict(order="pass2_back")),  # "auto" without masking; pinned here
@@ -198,15 +198,15 @@ VARIANTS = {
 
 @contextlib.contextmanager
 def configured(extra=None, **row):
-    """fl.CONFIGS["cuda"] with these entries (and fl.EXTRA_BYTES = extra), restored after."""
-    saved_cfg, saved_extra = dict(fl.CONFIGS["cuda"]), fl.EXTRA_BYTES
+    """fl.LAUNCH["cuda"] with these entries (and fl.EXTRA_BYTES = extra), restored after."""
+    saved_cfg, saved_extra = dict(fl.LAUNCH["cuda"]), fl.EXTRA_BYTES
     try:
-        fl.CONFIGS["cuda"].update(row)
+        fl.LAUNCH["cuda"].update(row)
         fl.EXTRA_BYTES = saved_extra if extra is None else extra
         yield
     finally:
-        fl.CONFIGS["cuda"].clear()
-        fl.CONFIGS["cuda"].update(saved_cfg)
+        fl.LAUNCH["cuda"].clear()
+        fl.LAUNCH["cuda"].update(saved_cfg)
         fl.EXTRA_BYTES = saved_extra
 
 
@@ -266,15 +266,17 @@ def main():
     )
     ap.add_argument("--tokens", help="token shard for --checkpoint (e.g. the val shard)")
     ap.add_argument(
-        "--set", default="", help="fused.CONFIGS['cuda'] entries for the whole run: k=v,k=v"
+        "--set",
+        default="",
+        help="LAUNCH['cuda'] entries (fused_loss/linear_cross_entropy.py) for the run: k=v,k=v",
     )
     args = ap.parse_args()
-    fl.CONFIGS["cuda"].update(parse_set(args.set, fl.CONFIGS["cuda"]))
+    fl.LAUNCH["cuda"].update(parse_set(args.set, fl.LAUNCH["cuda"]))
     props = torch.cuda.get_device_properties(0)
     import triton
 
     info = dict(
-        configs=dict(fl.CONFIGS["cuda"]),
+        configs=dict(fl.LAUNCH["cuda"]),
         gpu=props.name,
         torch=torch.__version__,
         triton=triton.__version__,

@@ -18,7 +18,7 @@ mode (eager or compiled), joined by ":":
   nodrop     the model's Dropout(p=0) modules replaced by nn.Identity
   fp32       no autocast: fp32 matmuls (eager: the most exact result at hand)
   i.KEY=VAL  torch._inductor.config.KEY = VAL (a Python literal) for this compile
-  trainer    train.py's default compile settings (train.compiler_settings) for this compile
+  trainer    train.py's default compile settings (compile_guard.compiler_settings) for this compile
 The reference is eager mode with the same loss. Printed per variant: the loss and its distance
 to the reference, the gradient norm, and the parameter whose gradient is furthest from the
 reference's (relative L2 error). Eager variants show how far a legitimate change (another
@@ -147,9 +147,10 @@ def main():
 
             settings.enter_context(inductor_config.patch(**o["inductor"]))
         if o["trainer"]:
-            import train
+            import compile_guard
+            import config
 
-            settings.enter_context(train.compiler_settings(train.TrainConfig()))
+            settings.enter_context(compile_guard.compiler_settings(config.TrainConfig()))
         for n, m in dropouts.items():  # put back, or swapped for Identity
             set_submodule(model, n, torch.nn.Identity() if o["nodrop"] else m)
         t0 = time.perf_counter()

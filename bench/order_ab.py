@@ -5,15 +5,15 @@
 At the 124M shape (bench_fused_loss's inputs, targets within the real vocab) it times one fwd+bwd
 of ours with bf16 x and w for each pass order ("forward", "pass1_back", "pass2_back") at
 vocab_size 50304 (nothing masked) and 50257 (47 padded columns masked), and the fp32-master case
-(single-read kernel) at both, interleaved --repeats times, with fused.CONFIGS as they are.
---knobs adds the masked rows with mask="kernel" and with cap_regs=False (options in fused.py).
+(single-read kernel) at both, interleaved --repeats times, with LAUNCH as it is.
+--knobs adds the masked rows with mask="kernel" and with cap_regs=False (LAUNCH options).
 --compile adds torch.compile of the reference (all 50304 columns, bf16 and fp32 master weight)
 as the baseline in the same repeats. --chunks adds rows at other buffer budgets
 (fused.EXTRA_BYTES): bf16 w at 18 chunks instead of 19, the fp32 master weight at 13 and 12
-chunks instead of 10. --gemm times instead the chunk GEMMs' settings (CONFIGS gemm, lt_candidates,
+chunks instead of 10. --gemm times instead the chunk GEMMs' settings (LAUNCH gemm, lt_candidates,
 lt_workspace) at vocab_size 50257, bf16 and fp32 master weights. Times are medians of 10 calls
 in ms with the host's latency hidden (bench_fused_loss.timed(hide_host=True)). This is the
-measurement behind the CONFIGS defaults (order, mask, cap_regs, gemm).
+measurement behind the LAUNCH defaults (order, mask, cap_regs, gemm).
 """
 
 import argparse
@@ -33,12 +33,12 @@ from bench_fused_loss import (  # noqa: E402
     timed,
 )
 
-from fused_loss import fused as fl  # noqa: E402  (bench_fused_loss set the path)
 from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
+from fused_loss import linear_cross_entropy as fl  # noqa: E402  (bench_fused_loss set the path)
 
 
 def cases(knobs, chunks, gemm=False):
-    """(label, CONFIGS overrides, EXTRA_BYTES or None, vocab_size, fp32 master) in timing order."""
+    """(label, LAUNCH overrides, EXTRA_BYTES or None, vocab_size, fp32 master) in timing order."""
     if gemm:  # the chunk GEMMs: torch's, and cuBLASLt with more candidates / workspace
         out = []
         for prefix, over in (

@@ -1,9 +1,9 @@
 """HellaSwag (validation split): download, parsing, and the evaluation llm.c reports for GPT-2.
 
     python -m data.hellaswag download               # -> data/cache/hellaswag/hellaswag_val.jsonl
-    python -m data.hellaswag eval --ckpt out/       # the newest checkpoint of a run
-    python -m data.hellaswag eval --hf-dir ~/gpt2   # GPT-2 itself, from a local HF directory
-    torchrun --standalone --nproc_per_node=8 -m data.hellaswag eval --ckpt out/
+
+`evaluate(model, ...)` scores a model; eval_hellaswag.py (beside train.py) scores a checkpoint or
+an HF GPT-2 directory from the command line, also under torchrun.
 
 Each example is a context and 4 candidate endings, one of them right. As llm.c and the original
 GPT-2 evaluation do, every candidate is the context tokens followed by the tokens of " " + ending,
@@ -132,7 +132,7 @@ def load_examples(path):
 _TOKENIZED = {}
 
 
-def _tokenized(path):
+def load_tokenized(path):
     """The examples of path, tokenised once per process (and again if the file changes)."""
     path = Path(path)
     if not path.is_file():  # load_examples words the error
@@ -227,7 +227,7 @@ def evaluate(
     if cfg.block_size < 2:
         raise ValueError(f"block_size={cfg.block_size}: need >= 2 tokens to score an ending")
 
-    examples = _tokenized(path)[:limit]
+    examples = load_tokenized(path)[:limit]
     mine = examples[rank::world_size]
     # all examples, not this rank's: every rank must fail alike, or the others hang in all_reduce
     worst = max(examples, key=lambda ex: ex.max_id)
@@ -329,52 +329,6 @@ def download(out_dir=DEFAULT_DIR, url=URL):
 # command line
 
 
-def _eval_main(args):
-    from model import pick_device
-    from sample import load_model, resolve_dtype
-
-    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # under torchrun
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    device = pick_device(args.device)
-    if ddp and device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    if ddp:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
-    finished = False
-    try:
-        _tokenized(args.data)  # a missing or malformed file fails before the model loads
-        dtype = resolve_dtype(args.dtype, device)
-        # fp32 weights with autocast, as in training: the number to compare with the val loss's
-        model = load_model(args.ckpt, args.hf_dir, device, torch.float32)
-        res = evaluate(
-            model,
-            args.data,
-            device,
-            rank,
-            world_size,
-            limit=args.limit,
-            autocast_dtype=None if dtype == torch.float32 else dtype,
-            progress=rank == 0,
-        )
-        if rank == 0:
-            n = res["n"]
-            print(
-                f"hellaswag acc_norm {res['acc_norm']:.4f} ({round(res['acc_norm'] * n)}/{n}) | "
-                f"acc {res['acc']:.4f} ({round(res['acc'] * n)}/{n}) | {dtype} on {device}"
-                f"{f' x {world_size}' if world_size > 1 else ''}",
-                flush=True,
-            )
-        finished = True
-        return res
-    finally:
-        if ddp and dist.is_initialized():
-            if finished:  # no rank closes its gloo connections while another still uses them
-                dist.barrier()  # (a rank once aborted at exit without this: "terminate called")
-            dist.destroy_process_group()
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -382,27 +336,8 @@ def main(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("download", help=f"download the validation split ({VAL_EXAMPLES:,} lines)")
     d.add_argument("--out-dir", default=str(DEFAULT_DIR))
-    e = sub.add_parser("eval", help="acc_norm of a checkpoint or an HF GPT-2 directory")
-    src = e.add_mutually_exclusive_group(required=True)
-    src.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest ckpt_*.pt)")
-    src.add_argument("--hf-dir", help="local HF GPT-2 directory (config.json + weights)")
-    e.add_argument(
-        "--data", default=str(DEFAULT_PATH), help="HellaSwag jsonl (default: %(default)s)"
-    )
-    e.add_argument("--limit", type=int, default=None, help="only the first N examples")
-    e.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    e.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="autocast dtype; auto: bfloat16 on a GPU that has it, else float32",
-    )
     args = p.parse_args(argv)
-    if args.command == "download":
-        return download(args.out_dir)
-    if args.limit is not None and args.limit < 1:
-        p.error(f"--limit must be >= 1, got {args.limit}")
-    return _eval_main(args)
+    return download(args.out_dir)
 
 
 if __name__ == "__main__":
@@ -410,7 +345,3 @@ if __name__ == "__main__":
         main()
     except (FileNotFoundError, ValueError, ConnectionError) as err:
         sys.exit(f"error: {err}")
-
-# Expected output (GPT-2 124M imported with --hf-dir, all 10,042 examples; llm.c reports
-# acc_norm 0.2955 and acc 0.2859 for these weights in fp32):
-#   hellaswag acc_norm 0.2955 (2967/10042) | acc 0.2859 (2871/10042) | torch.float32 on cuda

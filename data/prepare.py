@@ -251,12 +251,12 @@ def prepare(
         fill = 0
 
     bar = _progress_bar(name, progress)
-    # one core stays with this process, which reads, decompresses and packs (bench/notes_data.md)
+    # one core stays with this process, which reads, decompresses and packs
     n_workers = max(1, (os.cpu_count() or 2) - 1) if workers is None else workers
     # spawn, not fork: forking a process that already runs threads (BLAS, HF streaming) can
     # deadlock. Workers re-import __main__, so a calling script needs the usual `if __name__ ==
     # "__main__":` guard; that import is cheap for `python -m data.fineweb`, ~seconds for a script
-    # that imports torch (bench/notes_data.md).
+    # that imports torch.
     pool = multiprocessing.get_context("spawn").Pool(n_workers) if n_workers > 1 else None
     try:
         results = (

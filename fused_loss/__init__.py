@@ -1,14 +1,18 @@
-"""Fused final linear layer + cross-entropy that never materialises the (tokens x vocab) logits.
+"""The fast paths: Triton and cuBLASLt code that the model and the optimizer call.
 
-Public API: `fused_linear_cross_entropy` (Triton kernels between cuBLASLt GEMMs on CUDA; on CPU
-the Triton interpreter when TRITON_INTERPRET=1, else the torch reference) and
-`linear_cross_entropy_reference`.
-Also here, for model.py: the MLP with its GELU in cuBLASLt GEMM epilogues (`mlp.py`, on the
-ctypes binding in `cublaslt.py`); for train.py: AdamW over all parameters in one Triton launch
-(`adamw.py`).
+    linear_cross_entropy.py  fused_linear_cross_entropy: the final linear layer + cross-entropy
+                             without the (tokens x vocab) logits (launchers, autograd, custom ops)
+    triton_kernels.py        its Triton row kernels, with the math
+    reference.py             linear_cross_entropy_reference: the torch path it is tested against
+    checks.py                input checks shared by both
+    cublaslt.py              a ctypes binding of cuBLASLt matmuls with epilogues
+    mlp.py                   the MLP with its GELU in cuBLASLt GEMM epilogues (model.py)
+    adamw.py                 AdamW over all parameters in one Triton launch (optim.py)
+
+On CPU the kernels run under the Triton interpreter when TRITON_INTERPRET=1, else the torch path.
 """
 
-from fused_loss.fused import fused_linear_cross_entropy
+from fused_loss.linear_cross_entropy import fused_linear_cross_entropy
 from fused_loss.reference import linear_cross_entropy_reference
 
 __all__ = ["fused_linear_cross_entropy", "linear_cross_entropy_reference"]

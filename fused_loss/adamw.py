@@ -1,11 +1,10 @@
 """AdamW (and the global grad norm) over every parameter in one Triton launch each.
 
-torch's fused AdamW walks its tensor lists in launches of at most a few hundred blocks; on
-GPT-2's 148-580 fp32 tensors that reaches 2.9-3.4 TB/s on the H200, while one launch over the
-same bytes in one buffer reaches 4.1 TB/s (bench/bench_adamw.py, bench/RESULTS.md runs 45-46);
-this one, 4.0 TB/s at 1558M (run 70: norm + step 12.3 ms against 16.9 for torch's). Here every
-tensor is cut into BLOCK-element blocks and one program per block finds its tensor through
-tables of raw addresses (int64 data pointers, cast to pointers in the kernel):
+torch's fused AdamW walks its tensor lists in launches of at most a few hundred blocks, which
+leaves GPT-2's 148-580 fp32 tensors short of the bandwidth one launch over the same bytes reaches
+(bench/bench_adamw.py, bench/RESULTS.md §2d). Here every tensor is cut into BLOCK-element
+blocks and one program per block finds its tensor through tables of raw addresses (int64 data
+pointers, cast to pointers in the kernel):
 
     tables: ptrs (4, T) p / g / m / v addresses, numel (T,), weight decay (T,)
             block_tensor (B,) int32, block_start (B,) int64: block b covers elements

@@ -15,8 +15,8 @@ Epilogues used (values from cublasLt.h):
 The first call of each shape / layout / alignment / epilogue / workspace limit times the
 heuristic's first `candidates` algorithms (and the caller's `reference`, if given) and keeps the
 fastest (TUNING records the times): the heuristic's first pick was up to 7 % slower on GPT-2's
-MLP shapes (bench/RESULTS.md §2c) and up to 1.27x on the classifier's accumulating dw GEMM (§1,
-run 73). With beta = 0 the timing runs on the call's own operands and overwrites out, which the
+MLP shapes (bench/RESULTS.md §2c) and up to 1.27x on the classifier's accumulating dw GEMM
+(§1). With beta = 0 the timing runs on the call's own operands and overwrites out, which the
 call's launch then rewrites; tune_beta = 1 times them as accumulating calls (the classifier's
 first dw chunk). With beta != 0 a zero stand-in replaces one operand, so that out keeps its sum
 (_timing_operands). The pick is per process: two runs may pick differently (not bitwise equal).

@@ -15,7 +15,7 @@ step peaks within 0.1 GiB of the torch path's).
 What goes: the GELU forward kernel and the GELU-gradient kernel (each a full (M, F) read and
 write). The GELU is evaluated on the fp32 accumulator rather than on h rounded to bf16, so `a`
 can differ from torch's by a rounding; the errors against fp64 are no larger (tests/test_mlp.py).
-H200 (bench/RESULTS.md, session 20): 0.90x torch.compile's MLP fwd+bwd at 124M, 0.91x at 1558M.
+Timings: bench/RESULTS.md §2c.
 
 mlp_cublaslt is the entry point: None where it does not apply (no CUDA, no bf16/fp16 compute
 dtype, no biases, widths not multiples of 8), and the caller runs the torch path

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import train
+import optim
 from fused_loss.adamw import MultiTensorAdamW
 
 CUDA = pytest.param(
@@ -77,7 +77,7 @@ def test_total_norm(device, layout):
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("max_norm", [1.0, math.inf])
 def test_clipped_step_with_multi_tensor_adamw(device, max_norm):
-    """train.clipped_step hands MultiTensorAdamW the clip as grad_scale: the same parameters as
+    """optim.clipped_step hands MultiTensorAdamW the clip as grad_scale: the same parameters as
     a hand clip + torch's AdamW, clipping on (grads ~10x the limit) and disabled."""
     start, grads = _params(SHAPES["ragged"], device)
     ours = [torch.nn.Parameter(t.clone()) for t in start]
@@ -87,7 +87,7 @@ def test_clipped_step_with_multi_tensor_adamw(device, max_norm):
     for step_grads in grads:
         for p, q, g in zip(ours, ref, step_grads, strict=True):
             p.grad, q.grad = g.clone(), g.clone()
-        norm = train.clipped_step(opt, ours, max_norm)
+        norm = optim.clipped_step(opt, ours, max_norm)
         torch.nn.utils.clip_grad_norm_(ref, max_norm)
         ref_opt.step()
         want = torch.linalg.vector_norm(torch.cat([g.flatten() for g in step_grads]))
@@ -136,7 +136,7 @@ def test_bad_input():
 
 
 def test_resumed_torch_adamw_keeps_its_kernel_flags():
-    """train.load_optimizer_state: torch's AdamW loading MultiTensorAdamW's state (no "fused" or
+    """optim.load_optimizer_state: torch's AdamW loading MultiTensorAdamW's state (no "fused" or
     "foreach" in its groups) keeps the kernel it was built with, and the state itself."""
     start, grads = _params(SHAPES["ragged"], "cpu")
     params = [torch.nn.Parameter(t.clone()) for t in start]
@@ -146,7 +146,7 @@ def test_resumed_torch_adamw_keeps_its_kernel_flags():
     ours.step()
     for flag in ("foreach", "fused"):  # CPU AdamW has both kernels (torch >= 2.4)
         theirs = torch.optim.AdamW(_groups(params), **HYPER, **{flag: True})
-        train.load_optimizer_state(theirs, ours.state_dict())
+        optim.load_optimizer_state(theirs, ours.state_dict())
         assert all(group[flag] is True for group in theirs.param_groups)
         assert all(theirs.state[p]["step"].item() == 1 for p in params)
         m = theirs.state[params[0]]["exp_avg"]

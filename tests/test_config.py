@@ -9,9 +9,12 @@ import pytest
 import torch
 
 import checkpoint
+import optim
 import train
+from config import ConfigError, TrainConfig, grad_accum_steps, load_config
+from device import peak_flops
 from errors import run_main
-from train import ConfigError, TrainConfig, get_lr, grad_accum_steps, load_config, peak_flops
+from optim import get_lr
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -201,7 +204,7 @@ CUDA = pytest.param(
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("grad_size, max_norm", [(10.0, 1.0), (1e-4, 1.0), (10.0, math.inf)])
 def test_clipped_step_matches_clip_then_adamw(device, fused, grad_size, max_norm):
-    """train.clipped_step (the clip folded into the fused AdamW's grad_scale, or the plain
+    """optim.clipped_step (the clip folded into the fused AdamW's grad_scale, or the plain
     path) against a hand clip (global L2 norm, factor min(max_norm / (norm + 1e-6), 1)) and a
     single-tensor AdamW, over 3 steps: clipping on (grads far above max_norm), off (far
     below) and disabled (inf); clipped_step's returned norm is the one before clipping."""
@@ -221,7 +224,7 @@ def test_clipped_step_matches_clip_then_adamw(device, fused, grad_size, max_norm
     for step_grads in grads:
         for p, q, g in zip(ours, ref, step_grads, strict=True):
             p.grad, q.grad = g.clone(), g.clone()
-        norm = train.clipped_step(opt, ours, max_norm)
+        norm = optim.clipped_step(opt, ours, max_norm)
         ref_norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in step_grads]))
         coef = min(max_norm / (ref_norm.item() + 1e-6), 1.0)
         for q in ref:

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
+import compile_guard
 import train
 from conftest import read_log
 from data.loader import DataLoader
@@ -96,7 +98,7 @@ def test_ddp_sigterm_to_torchrun_saves_then_resumes_on_one_process(tiny_args, tm
     proc.send_signal(signal.SIGTERM)  # to the torchrun agent, as a scheduler would
     text = proc.communicate(timeout=120)[0]
     assert text.count("signal 15: finishing this step") == 2, text  # both workers
-    ckpts = train.list_checkpoints(out)
+    ckpts = checkpoint.list_checkpoints(out)
     assert len(ckpts) == 1, text
     step = torch.load(ckpts[0], weights_only=True)["step"]
     assert max(read_log(out)[0]) == step - 1
@@ -160,7 +162,7 @@ def test_compiled_loss_check_agrees_across_ranks():
     store = dist.HashStore()
     dist.init_process_group("gloo", rank=0, world_size=1, store=store)
     try:
-        check = train.compiled_loss_mismatch
+        check = compile_guard.compiled_loss_mismatch
         assert check(torch.tensor(2.5), torch.tensor(2.5005), True, "batch") is None
         wrong = check(torch.tensor(2.6), torch.tensor(2.5), True, "batch")
         assert "compiled 2.600000, eager 2.500000" in wrong and "1.00e-01 nats" in wrong

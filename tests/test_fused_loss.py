@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-import fused_loss.fused as fl
+import fused_loss.linear_cross_entropy as fl
 from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
 
 CUDA = torch.cuda.is_available()
@@ -23,7 +23,7 @@ needs_kernels = pytest.mark.skipif(
 @pytest.fixture(autouse=True, params=[False, True], ids=["two_reads", "single_read"])
 def row_kernel(request, monkeypatch):
     """Every test runs with both row kernels (_softmax_grad_kernel, _exp_rows_kernel)."""
-    for cfg in fl.CONFIGS.values():
+    for cfg in fl.LAUNCH.values():
         monkeypatch.setitem(cfg, "single_read", request.param)
     return request.param
 
@@ -155,7 +155,7 @@ def test_pass_order_changes_nothing(order, monkeypatch):
     x, w, t = _make(37, 24, 83, 80, torch.bfloat16, "cuda" if CUDA else "cpu", ignore_frac=0.2)
     outs = []
     for o in ("forward", order):
-        for cfg in fl.CONFIGS.values():
+        for cfg in fl.LAUNCH.values():
             monkeypatch.setitem(cfg, "order", o)
         outs.append(_run(fused_linear_cross_entropy, x, w, t, torch.tensor(1.0), vocab_size=80))
     if order == "pass2_back":
@@ -170,22 +170,22 @@ def test_register_cap_fits_the_programs_per_sm():
     assert fl.row_kernel_maxnreg(16, 2) == 64
     assert fl.row_kernel_maxnreg(8, 3) == 80  # 85, rounded down to ptxas's granularity of 8
     assert fl.row_kernel_maxnreg(4, 1) == 248  # below the 255 a thread can address
-    cfg = dict(fl.CONFIGS["cuda"], cap_regs=True, num_warps=8, per_sm=4, mask="fill")
+    cfg = dict(fl.LAUNCH["cuda"], cap_regs=True, num_warps=8, per_sm=4, mask="fill")
     options, _, fill, mask_cols = fl.row_kernel_setup(cfg, True, 50257, 50304)
     assert options == dict(num_warps=8, maxnreg=64) and fill and mask_cols == 50304
     options, _, fill, mask_cols = fl.row_kernel_setup(cfg, False, 50304, 50304)  # interpreter
     assert options == dict(num_warps=8) and not fill and mask_cols == 50304
-    with pytest.raises(ValueError, match="CONFIGS mask"):
+    with pytest.raises(ValueError, match="LAUNCH mask"):
         fl.row_kernel_setup(dict(cfg, mask="zero"), True, 10, 10)
 
 
 def test_row_kernel_setup_orders_and_bad_options():
-    cfg = dict(fl.CONFIGS["cuda"], mask="kernel")
+    cfg = dict(fl.LAUNCH["cuda"], mask="kernel")
     for o in fl.ORDERS:
         _, order, fill, mask_cols = fl.row_kernel_setup(dict(cfg, order=o), True, 50257, 50304)
         assert order == dict(PASS1_BACK=o == "pass1_back", PASS2_BACK=o == "pass2_back")
         assert not fill and mask_cols == 50257  # the kernel masks from vocab_size on
-    with pytest.raises(ValueError, match="CONFIGS order"):
+    with pytest.raises(ValueError, match="LAUNCH order"):
         fl.row_kernel_setup(dict(cfg, order="backward"), True, 10, 10)
 
 
@@ -205,7 +205,7 @@ def test_padded_rows_are_inert(mask, monkeypatch):
     # the two ways of masking them ("fill": -inf written into the logits) agree bit for bit.
     x, w, t = _make(40, 32, 80, 70, torch.bfloat16, "cpu", ignore_frac=0.2, seed=3)
     kernel_masked = _run(fused_linear_cross_entropy, x, w, t, torch.tensor(1.0), vocab_size=70)
-    for cfg in fl.CONFIGS.values():
+    for cfg in fl.LAUNCH.values():
         monkeypatch.setitem(cfg, "mask", mask)
     clean = _run(fused_linear_cross_entropy, x, w, t, torch.tensor(1.0), vocab_size=70)
     w_bad = w.clone()
@@ -416,7 +416,7 @@ def test_gpu_real_sizes(shape, reduction, knob, monkeypatch):
         gemm_torch=("gemm", "torch"),
     )
     if knob != "default":
-        monkeypatch.setitem(fl.CONFIGS["cuda"], *knobs[knob])
+        monkeypatch.setitem(fl.LAUNCH["cuda"], *knobs[knob])
     N, D, V, vocab = shape
     x, w, t = _make(N, D, V, vocab, torch.bfloat16, "cuda", ignore_frac=0.05, seed=7)
     x[::7] *= 6  # some peaky rows

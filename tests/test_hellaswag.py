@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import eval_hellaswag
+import model_io
 from data import hellaswag as hs
 from data.tokenizer import get_tokenizer
 from model import GPT, GPTConfig
@@ -196,7 +198,7 @@ def test_matches_brute_force_loop(block_size):
     model = tiny_gpt(block_size=block_size)
     records = fixture_records()
     ref = brute_force(model, records, block_size)
-    for r, (sums, means), ex in zip(records, ref, hs._tokenized(FIXTURE), strict=True):
+    for r, (sums, means), ex in zip(records, ref, hs.load_tokenized(FIXTURE), strict=True):
         tokens, mask = hs.build_batch(ex.ctx, ex.endings, block_size)
         assert tokens.size(1) <= block_size
         with torch.no_grad():
@@ -244,7 +246,7 @@ def test_acc_norm_and_acc_differ_when_lengths_differ(tmp_path):
     # ending 0: 2 nats a token (low mean, high sum); ending 1: 5 nats a token (short: low sum);
     # endings 2, 3: log V = 10.8 nats a token
     model = ScriptedLM({row_tokens(rec, 0): boost_for(2.0), row_tokens(rec, 1): boost_for(5.0)})
-    ex = hs._tokenized(path)[0]
+    ex = hs.load_tokenized(path)[0]
     tokens, mask = hs.build_batch(ex.ctx, ex.endings, 1024)
     sum_loss, mean_loss = hs.ending_losses(model(tokens, all_positions=True), tokens, mask)
     expected = torch.tensor([2.0, 5.0, math.log(V), math.log(V)])
@@ -295,15 +297,15 @@ def test_cli_eval_checkpoint_and_hf_dir(tmp_path, capsys):
     torch.save(ckpt, tmp_path / "ckpt_0000001.pt")
     expected = hs.evaluate(model, FIXTURE, "cpu")
     args = ["--data", str(FIXTURE), "--device", "cpu"]
-    assert hs.main(["eval", "--ckpt", str(tmp_path), *args]) == expected
+    assert eval_hellaswag.main(["--ckpt", str(tmp_path), *args]) == expected
     out = capsys.readouterr().out
     assert f"hellaswag acc_norm {expected['acc_norm']:.4f} (" in out and "/6)" in out
-    model.save_hf(tmp_path / "hf")
-    assert hs.main(["eval", "--hf-dir", str(tmp_path / "hf"), *args, "--limit", "3"]) == (
+    model_io.save_hf(model, tmp_path / "hf")
+    assert eval_hellaswag.main(["--hf-dir", str(tmp_path / "hf"), *args, "--limit", "3"]) == (
         hs.evaluate(model, FIXTURE, "cpu", limit=3)
     )
     with pytest.raises(FileNotFoundError, match="download"):
-        hs.main(["eval", "--ckpt", str(tmp_path), "--data", str(tmp_path / "none.jsonl")])
+        eval_hellaswag.main(["--ckpt", str(tmp_path), "--data", str(tmp_path / "none.jsonl")])
 
 
 def test_cli_eval_under_torchrun_all_reduces(tmp_path):
@@ -313,7 +315,7 @@ def test_cli_eval_under_torchrun_all_reduces(tmp_path):
     expected = hs.evaluate(model, FIXTURE, "cpu")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "-m", "data.hellaswag", "eval", "--ckpt", str(tmp_path), "--data", str(FIXTURE),
+        "eval_hellaswag.py", "--ckpt", str(tmp_path), "--data", str(FIXTURE),
         "--device", "cpu",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

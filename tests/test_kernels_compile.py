@@ -21,7 +21,7 @@ SCRIPT = r"""
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fused_loss import kernels
+from fused_loss import triton_kernels as kernels
 
 TARGET = GPUTarget("cuda", 90, 32)
 ROW_ARGS = ["z_ptr", "y_ptr", "g_ptr", "loss_ptr"]
@@ -52,7 +52,7 @@ def row_sig(dt, single):
 out = {}
 for write_g in (True, False):
     for dt in ("bf16", "fp32"):
-        c = dict(G_PER_ROW=not write_g, WRITE_G=write_g, BV=4096, UPCAST=False)
+        c = dict(G_PER_ROW=not write_g, WRITE_G=write_g, BV=4096, INTERPRETED=False)
         orders = ("", "pass1_back", "pass2_back") if write_g and dt == "bf16" else ("",)
         for o in orders:
             back = dict(PASS1_BACK=o == "pass1_back", PASS2_BACK=o == "pass2_back")
@@ -63,10 +63,11 @@ for write_g in (True, False):
             kernels._exp_rows_kernel, row_sig(dt, True), c, 8)
 for src in ("fp32", "bf16"):
     sig = {"src_ptr": f"*{src}", "f_ptr": "*fp32", "out_ptr": "*bf16", "D": "i32"}
-    out[f"row_scale {src}"] = build(kernels._row_scale_kernel, sig, dict(BD=256, UPCAST=False), 4)
+    consts = dict(BD=256, INTERPRETED=False)
+    out[f"row_scale {src}"] = build(kernels._row_scale_kernel, sig, consts, 4)
 for dt in ("bf16", "fp32"):
     sig = {"src_ptr": f"*{dt}", "g_ptr": "*fp32", "dst_ptr": f"*{dt}", "numel": "i32"}
-    out[f"scale {dt}"] = build(kernels._scale_kernel, sig, dict(BLOCK=4096, UPCAST=False), 4)
+    out[f"scale {dt}"] = build(kernels._scale_kernel, sig, dict(BLOCK=4096, INTERPRETED=False), 4)
 print(json.dumps(out))
 """
 
@@ -103,17 +104,17 @@ def test_kernels_compile_for_sm90_with_vectorised_logit_loads():
 
 
 # The default launch of both row kernels (fused.row_kernel_setup, as lce_pass calls it), compiled
-# and assembled by ptxas -v: its registers per thread must let CONFIGS' per_sm programs of
+# and assembled by ptxas -v: its registers per thread must let LAUNCH' per_sm programs of
 # num_warps warps fit on one SM, the residency the persistent grid is sized for.
 RESIDENCY = r"""
 import json, os, re, subprocess, tempfile, triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
-import fused_loss.fused as fl
-from fused_loss import kernels
+import fused_loss.linear_cross_entropy as fl
+from fused_loss import triton_kernels as kernels
 
-cfg, V = fl.CONFIGS["cuda"], 50304
+cfg, V = fl.LAUNCH["cuda"], 50304
 ints = ["n_rows", "V", "vocab_size", "mask_cols", "stride_z", "ignore_index"]
 out = {}
 for vocab in (50304, 50257):
@@ -125,7 +126,7 @@ for vocab in (50304, 50257):
                        ptrs + ["i32"] * len(ints)))
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                  if sig[n].startswith("*") or div16.get(n, 1) % 16 == 0}
-        consts = dict(G_PER_ROW=False, WRITE_G=True, BV=cfg["BV"], UPCAST=False)
+        consts = dict(G_PER_ROW=False, WRITE_G=True, BV=cfg["BV"], INTERPRETED=False)
         consts.update(dict(REBASE=fl.REBASE) if single else order)
         fn = kernels._exp_rows_kernel if single else kernels._softmax_grad_kernel
         src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}),

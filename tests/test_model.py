@@ -9,7 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, _read_safetensors, _write_safetensors, pick_device
+import model_io
+from device import pick_device
+from model import GPT, GPTConfig
+from model_io import _read_safetensors, _write_safetensors
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_TINY = FIXTURES / "hf_gpt2_tiny"
@@ -193,55 +196,65 @@ def test_from_checkpoint_file_and_newest_in_dir(tmp_path):
     old, new = tiny(seed=1), tiny(seed=2)
     save_ckpt(tmp_path / "ckpt_0000100.pt", old)
     save_ckpt(tmp_path / "ckpt_0001000.pt", new, val_loss=3.5)
-    model, ckpt = GPT.from_checkpoint(tmp_path)
+    model, ckpt = model_io.from_checkpoint(tmp_path)
     assert ckpt["val_loss"] == 3.5
     assert model.lm_head.weight is model.transformer.wte.weight
     assert all(p.requires_grad for p in model.parameters())  # resumable: trainer loads this way
     idx = torch.randint(0, V, (2, 10))
     torch.testing.assert_close(model(idx, idx), new(idx, idx), rtol=0, atol=0)
-    model, _ = GPT.from_checkpoint(tmp_path / "ckpt_0000100.pt")
+    model, _ = model_io.from_checkpoint(tmp_path / "ckpt_0000100.pt")
     torch.testing.assert_close(model(idx, idx), old(idx, idx), rtol=0, atol=0)
 
 
 def test_from_checkpoint_predated_settings(tmp_path):
     """A checkpoint written before a setting existed loads with the value it was trained with
-    (model.PREDATED), not today's default; one that has the setting keeps its own value."""
+    (model_io.PREDATED), not today's default; one that has the setting keeps its own value."""
     model = tiny()
     assert model.config.low_precision_residual is True  # today's default
     save_ckpt(tmp_path / "new.pt", model)
-    loaded, ckpt = GPT.from_checkpoint(tmp_path / "new.pt")
+    loaded, ckpt = model_io.from_checkpoint(tmp_path / "new.pt")
     assert loaded.config.low_precision_residual is True
     del ckpt["model_config"]["low_precision_residual"]
     torch.save(ckpt, tmp_path / "old.pt")
-    loaded, _ = GPT.from_checkpoint(tmp_path / "old.pt")
+    loaded, _ = model_io.from_checkpoint(tmp_path / "old.pt")
     assert loaded.config.low_precision_residual is False
+
+
+def test_from_checkpoint_old_switch_names(tmp_path):
+    """A checkpoint saved when the fast paths were called "fused" and "cublaslt" loads as "fast"."""
+    save_ckpt(tmp_path / "new.pt", tiny())
+    ckpt = torch.load(tmp_path / "new.pt")
+    ckpt["model_config"].update(loss_impl="fused", mlp_impl="cublaslt")
+    torch.save(ckpt, tmp_path / "old.pt")
+    loaded, _ = model_io.from_checkpoint(tmp_path / "old.pt")
+    assert (loaded.config.loss_impl, loaded.config.mlp_impl) == ("fast", "fast")
 
 
 def test_from_checkpoint_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no ckpt_"):
-        GPT.from_checkpoint(tmp_path)
+        model_io.from_checkpoint(tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        GPT.from_checkpoint(tmp_path / "nope.pt")
+        model_io.from_checkpoint(tmp_path / "nope.pt")
     torch.save({"weights": 1}, tmp_path / "junk.pt")
     with pytest.raises(ValueError, match="not a checkpoint"):
-        GPT.from_checkpoint(tmp_path / "junk.pt")
+        model_io.from_checkpoint(tmp_path / "junk.pt")
     model = tiny()
     sd = model.state_dict()
     sd["transformer.h.9.ln_1.weight"] = sd.pop("transformer.h.1.ln_1.weight")
     torch.save({"model": sd, "model_config": asdict(model.config)}, tmp_path / "keys.pt")
     with pytest.raises(ValueError, match=r"missing keys \['transformer.h.1.ln_1.weight'\]"):
-        GPT.from_checkpoint(tmp_path / "keys.pt")
+        model_io.from_checkpoint(tmp_path / "keys.pt")
     save_ckpt(tmp_path / "cfg.pt", model)
     ckpt = torch.load(tmp_path / "cfg.pt", weights_only=True)
     ckpt["model_config"]["rope"] = True
     torch.save(ckpt, tmp_path / "cfg.pt")
     with pytest.raises(ValueError, match=r"unknown model_config keys \['rope'\]"):
-        GPT.from_checkpoint(tmp_path / "cfg.pt")
+        model_io.from_checkpoint(tmp_path / "cfg.pt")
     ckpt["model_config"].pop("rope")
     ckpt["model_config"]["n_embd"] = 64
     torch.save(ckpt, tmp_path / "cfg.pt")
     with pytest.raises(ValueError, match="shape"):
-        GPT.from_checkpoint(tmp_path / "cfg.pt")
+        model_io.from_checkpoint(tmp_path / "cfg.pt")
 
 
 def test_pick_device():
@@ -260,7 +273,7 @@ def test_pick_device():
 
 def test_from_hf_matches_transformers_fixture():
     """tests/fixtures/hf_gpt2_tiny was written by transformers, with transformers' own logits."""
-    model = GPT.from_hf(HF_TINY).eval()
+    model = model_io.from_hf(HF_TINY).eval()
     assert model.config.vocab_size == 100 and model.config.padded_vocab_size == 128
     assert torch.count_nonzero(model.transformer.wte.weight[100:]) == 0
     expected = torch.load(HF_TINY / "expected_logits.pt", weights_only=True)
@@ -271,7 +284,7 @@ def test_from_hf_matches_transformers_fixture():
 
 def test_from_hf_reads_openai_layout_bin(tmp_path):
     """The original uploads: pytorch_model.bin, no "transformer." prefix, causal-mask buffers."""
-    ref = GPT.from_hf(HF_TINY).eval()
+    ref = model_io.from_hf(HF_TINY).eval()
     weights = _read_safetensors(HF_TINY / "model.safetensors")
     sd = {k.removeprefix("transformer."): v.clone() for k, v in weights.items()}
     for i in range(2):
@@ -279,35 +292,35 @@ def test_from_hf_reads_openai_layout_bin(tmp_path):
         sd[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
     torch.save(sd, tmp_path / "pytorch_model.bin")
     (tmp_path / "config.json").write_text((HF_TINY / "config.json").read_text())
-    model = GPT.from_hf(tmp_path).eval()
+    model = model_io.from_hf(tmp_path).eval()
     for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
 
 
 def test_save_hf_round_trip_without_transformers(tmp_path):
     model = tiny(vocab_size=100, padded_vocab_size=128)
-    model.save_hf(tmp_path)
+    model_io.save_hf(model, tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())
     assert (hf["vocab_size"], hf["n_positions"], hf["n_embd"]) == (100, 64, 32)
     weights = _read_safetensors(tmp_path / "model.safetensors")
     assert weights["transformer.wte.weight"].shape == (100, 32)
     # HF Conv1D stores (in, out)
     assert weights["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
-    back = GPT.from_hf(tmp_path)
+    back = model_io.from_hf(tmp_path)
     for (k, a), b in zip(model.state_dict().items(), back.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
 
 
 def test_from_hf_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        GPT.from_hf(tmp_path)
+        model_io.from_hf(tmp_path)
     cfg = json.loads((HF_TINY / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(FileNotFoundError, match="neither model.safetensors"):
-        GPT.from_hf(tmp_path)
+        model_io.from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "activation_function": "relu"}))
     with pytest.raises(ValueError, match="activation_function"):
-        GPT.from_hf(tmp_path)
+        model_io.from_hf(tmp_path)
 
 
 def test_safetensors_writer_agrees_with_the_safetensors_package(tmp_path):
@@ -345,14 +358,14 @@ def make_hf_model(vocab=100, n_positions=16, n_embd=16, seed=1234):
 def test_transformers_import_and_export_round_trip(tmp_path):
     hm = make_hf_model(vocab=300, n_positions=32, n_embd=32, seed=5)
     hm.save_pretrained(tmp_path / "hf")
-    model = GPT.from_hf(tmp_path / "hf").eval()
+    model = model_io.from_hf(tmp_path / "hf").eval()
     assert model.config.padded_vocab_size == 320
     idx = torch.randint(0, 300, (3, 32))
     with torch.no_grad():
         expected = hm(idx).logits
         ours = model(idx, all_positions=True)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
-    model.save_hf(tmp_path / "ours")
+    model_io.save_hf(model, tmp_path / "ours")
     back = type(hm).from_pretrained(tmp_path / "ours").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(idx).logits, expected, rtol=1e-5, atol=1e-5)

@@ -5,6 +5,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+import model_io
 import sample
 from data.tokenizer import EOT, get_tokenizer
 from model import GPT, GPTConfig
@@ -49,8 +50,8 @@ def test_same_seed_same_text_and_prompt_kept(capsys, ckpt_dir):
 
 def test_prompt_file_and_hf_dir_agree_with_ckpt(capsys, ckpt_dir, tmp_path):
     (tmp_path / "prompt.txt").write_text("The meaning of life is", encoding="utf-8")
-    model, _ = GPT.from_checkpoint(ckpt_dir)
-    model.save_hf(tmp_path / "hf")
+    model, _ = model_io.from_checkpoint(ckpt_dir)
+    model_io.save_hf(model, tmp_path / "hf")
     common = ["--seed", "3", "--top-p", "0.9", "--temperature", "1.0"]
     ids_a, _ = run(capsys, "--ckpt", str(ckpt_dir), "--prompt", "The meaning of life is", *common)
     ids_b, _ = run(
@@ -69,7 +70,7 @@ def test_prompt_file_and_hf_dir_agree_with_ckpt(capsys, ckpt_dir, tmp_path):
 
 def test_greedy_equals_model_generate_and_default_prompt_is_eot(capsys, ckpt_dir):
     ids, text = run(capsys, "--ckpt", str(ckpt_dir), "--temperature", "0")
-    model, _ = GPT.from_checkpoint(ckpt_dir)
+    model, _ = model_io.from_checkpoint(ckpt_dir)
     expected = model.eval().generate(torch.full((3, 1), EOT), 40, temperature=0)
     assert torch.equal(ids, expected)
     assert not text.startswith("<|endoftext|>")  # our own start token is not printed

@@ -12,7 +12,12 @@ import time
 import pytest
 import torch
 
+import compile_guard
+import config
+import model_io
 import train
+from checkpoint import list_checkpoints
+from compile_guard import CompileMismatch
 from conftest import read_log
 from model import GPT
 
@@ -79,7 +84,7 @@ def test_default_config_smoke(tmp_path, capsys):
     assert sorted(losses) == [0, 1, 2] and sorted(vals) == [0, 2, 3]
     assert all(v == v and v < 11.5 for v in [*losses.values(), *vals.values()])
     assert sorted(os.listdir(out)) == ["ckpt_0000003.pt", "log.jsonl"]
-    model, ckpt = GPT.from_checkpoint(out / "ckpt_0000003.pt")
+    model, ckpt = model_io.from_checkpoint(out / "ckpt_0000003.pt")
     assert CKPT_KEYS <= set(ckpt) and ckpt["step"] == 3 and ckpt["val_loss"] == vals[3]
     assert ckpt["train_config"]["max_steps"] == 3 and model.config.n_layer == 4
 
@@ -89,7 +94,7 @@ def test_default_run_keeps_one_checkpoint(tiny_args, tmp_path):
     train.main(tiny_args + [f"--out_dir={tmp_path}", "--max_steps=4", "--ckpt_interval=1"])
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000004.pt", "log.jsonl"]
     for path in glob.glob(os.path.join(REPO, "configs", "*.py")):
-        assert train.load_config([path]).keep_last == 3, path
+        assert config.load_config([path]).keep_last == 3, path
 
 
 def test_loss_drops_and_log_records(tiny_args, tmp_path):
@@ -164,7 +169,7 @@ def test_ctrl_c_saves_and_exits_zero_then_resumes(tiny_args, tmp_path):
     proc.send_signal(signal.SIGINT)
     text = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, text
-    ckpts = train.list_checkpoints(out)
+    ckpts = list_checkpoints(out)
     assert len(ckpts) == 1 and "saved" in text
     step = torch.load(ckpts[0], weights_only=True)["step"]
     losses, _ = read_log(out)
@@ -190,7 +195,7 @@ def test_a_stop_saves_right_after_the_step_in_flight(tiny_args, tmp_path, monkey
     monkeypatch.setattr(train, "GPT", SignalledGPT)
     args = tiny_args + [f"--out_dir={tmp_path}", "--eval_interval=0", "--ckpt_interval=0"]
     train.main(args + ["--max_steps=100"])
-    assert [os.path.basename(p) for p in train.list_checkpoints(tmp_path)] == ["ckpt_0000004.pt"]
+    assert [os.path.basename(p) for p in list_checkpoints(tmp_path)] == ["ckpt_0000004.pt"]
     assert sorted(read_log(tmp_path)[0]) == [0, 1, 2, 3] and len(forwards) == 8
 
 
@@ -223,7 +228,7 @@ def test_a_closed_stdout_and_stderr_do_not_stop_training(tiny_args, tmp_path, si
     wait_for_steps(len(log.read_text().splitlines()) + 3)  # steps printed into closed pipes
     proc.send_signal(sig)
     assert proc.wait(timeout=120) == 0
-    (ckpt,) = train.list_checkpoints(out)
+    (ckpt,) = list_checkpoints(out)
     step = torch.load(ckpt, weights_only=True)["step"]
     assert sorted(read_log(out)[0]) == list(range(step))
 
@@ -232,14 +237,14 @@ def test_resume_rules(tiny_args, tmp_path):
     args = tiny_args + [f"--out_dir={tmp_path}", "--max_steps=1"]
     train.main(args + ["--resume"])  # nothing to resume: starts from step 0
     assert sorted(read_log(tmp_path)[0]) == [0]
-    with pytest.raises(train.ConfigError, match="--resume"):  # a fresh run would mix with them
+    with pytest.raises(config.ConfigError, match="--resume"):  # a fresh run would mix with them
         train.main(args)
-    with pytest.raises(train.ConfigError, match="n_embd"):
+    with pytest.raises(config.ConfigError, match="n_embd"):
         train.main(args + ["--resume", "--n_embd=64"])
-    with pytest.raises(train.ConfigError, match="low_precision_residual"):
+    with pytest.raises(config.ConfigError, match="low_precision_residual"):
         train.main(args + ["--resume", "--low_precision_residual=False"])
     # a checkpoint from before a model setting existed was trained with the old behaviour
-    # (model.PREDATED), not today's default: resuming it needs that value, and the error says so;
+    # (model_io.PREDATED), not today's default: resuming it needs that value, and the error says so;
     # one with a setting this version does not know is refused, naming it
     (path,) = tmp_path.glob("ckpt_*.pt")
     ckpt = torch.load(path, weights_only=True)
@@ -247,7 +252,7 @@ def test_resume_rules(tiny_args, tmp_path):
     del ckpt["model_config"]["low_precision_residual"]
     torch.save(ckpt, path)
     more = tiny_args + [f"--out_dir={tmp_path}", "--max_steps=2", "--resume"]
-    with pytest.raises(train.ConfigError, match="pass --low_precision_residual=False"):
+    with pytest.raises(config.ConfigError, match="pass --low_precision_residual=False"):
         train.main(more)
     train.main(more + ["--low_precision_residual=False"])
     assert sorted(read_log(tmp_path)[0]) == [0, 1]
@@ -255,7 +260,7 @@ def test_resume_rules(tiny_args, tmp_path):
     ckpt = torch.load(path, weights_only=True)
     ckpt["model_config"]["rotary"] = True
     torch.save(ckpt, path)
-    with pytest.raises(train.ConfigError, match="rotary"):
+    with pytest.raises(config.ConfigError, match="rotary"):
         train.main(more[:-2] + ["--max_steps=3", "--resume", "--low_precision_residual=False"])
 
 
@@ -275,12 +280,26 @@ def test_resume_of_a_finished_run_says_so(tiny_args, tmp_path, capsys):
     assert (tmp_path / "log.jsonl").read_text() == log
 
 
-def test_resume_may_switch_the_mlp_impl(tiny_args, tmp_path):
-    """mlp_impl says how the MLP is computed, not what: a checkpoint resumes under either."""
+@pytest.mark.parametrize("key,first", [("mlp_impl", "cublaslt"), ("loss_impl", "fused"),
+                                       ("adamw_impl", "fast")])  # fmt: skip
+def test_resume_may_switch_a_fast_path(tiny_args, tmp_path, key, first):
+    """The fast-path switches say how a layer or the update is computed, not what: a checkpoint
+    resumes under either value (the first run uses the switch's old name, still accepted)."""
     args = tiny_args + [f"--out_dir={tmp_path}"]
-    train.main(args + ["--max_steps=1", "--mlp_impl=cublaslt"])
-    train.main(args + ["--max_steps=2", "--resume", "--mlp_impl=torch"])
+    train.main(args + ["--max_steps=1", f"--{key}={first}"])
+    train.main(args + ["--max_steps=2", "--resume", f"--{key}=torch"])
     assert sorted(read_log(tmp_path)[0]) == [0, 1]
+
+
+def test_fast_path_switches_one_vocabulary():
+    """ "fast" | "torch" for every switch; the old names are aliases of "fast"."""
+    old = ["--loss_impl=fused", "--mlp_impl=cublaslt", "--adamw_impl=triton"]
+    cfg = config.load_config(old)
+    assert (cfg.loss_impl, cfg.mlp_impl, cfg.adamw_impl) == ("fast", "fast", "fast")
+    plain = config.load_config(["--loss_impl=torch", "--mlp_impl=torch", "--adamw_impl=torch"])
+    assert (plain.loss_impl, plain.mlp_impl, plain.adamw_impl) == ("torch", "torch", "torch")
+    with pytest.raises(config.ConfigError, match="adamw_impl"):
+        config.load_config(["--adamw_impl=cublaslt"])
 
 
 def test_non_finite_loss_stops_without_saving(tiny_args, tmp_path, monkeypatch):
@@ -303,7 +322,7 @@ def test_non_finite_loss_stops_without_saving(tiny_args, tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=f"without saving; the newest checkpoint, {newest}, is"):
         train.main(args)
     # 6 good micro-steps = 3 steps; step 3 is poisoned; checkpoints only of finite states
-    assert [os.path.basename(p) for p in train.list_checkpoints(tmp_path)] == ["ckpt_0000002.pt"]
+    assert [os.path.basename(p) for p in list_checkpoints(tmp_path)] == ["ckpt_0000002.pt"]
 
 
 def test_non_finite_loss_before_any_checkpoint_says_so(tiny_args, tmp_path):
@@ -315,7 +334,7 @@ def test_non_finite_loss_before_any_checkpoint_says_so(tiny_args, tmp_path):
     msg = str(exit_.value.code)
     assert msg.startswith("error: step 2: loss nan") and "intact" not in msg
     assert f"Stopped without saving; no checkpoint has been saved in {tmp_path}." in msg
-    assert train.list_checkpoints(tmp_path) == []
+    assert list_checkpoints(tmp_path) == []
 
 
 def test_oom_error_suggests_a_smaller_micro_batch(tiny_args, tmp_path, monkeypatch):
@@ -384,9 +403,9 @@ def test_hellaswag_logged_with_val_loss(tiny_args, tmp_path):
     recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     hs = {r["step"]: r["hellaswag_acc_norm"] for r in recs if "val_loss" in r}
     assert sorted(hs) == [0, 2]
-    model, _ = GPT.from_checkpoint(str(out))  # the step-2 weights, scored on their own
+    model, _ = model_io.from_checkpoint(str(out))  # the step-2 weights, scored on their own
     assert hs[2] == hellaswag.evaluate(model, fixture, torch.device("cpu"))["acc_norm"]
-    with pytest.raises(train.ConfigError, match="hellaswag download"):
+    with pytest.raises(config.ConfigError, match="hellaswag download"):
         train.main(
             args[:-1]
             + [f"--hellaswag_path={tmp_path / 'missing.jsonl'}", f"--out_dir={tmp_path / 'o2'}"]
@@ -451,11 +470,11 @@ def test_check_compile_stops_a_wrong_graph_before_the_update(
     args = tiny_args + [f"--out_dir={out}", "--max_steps=2", "--eval_interval=0", "--compile=True"]
     steps = []
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: steps.append(1))
-    if abs(shift) <= train.COMPILE_CHECK_TOL:
+    if abs(shift) <= compile_guard.COMPILE_CHECK_TOL:
         train.main(args)
         assert len(steps) == 2
         return
-    with pytest.raises(train.CompileMismatch, match="training batch of step 0 differs from eager"):
+    with pytest.raises(CompileMismatch, match="training batch of step 0 differs from eager"):
         train.main(args)
     assert steps == [] and not any(out.glob("ckpt_*.pt"))
     if shift == shift:  # a NaN loss unchecked stops at the non-finite check instead
@@ -483,7 +502,7 @@ def test_check_compile_repeats_after_each_evaluation(tiny_args, tmp_path, monkey
     steps = []
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: steps.append(1))
     args = tiny_args + [f"--out_dir={tmp_path}", "--max_steps=6", "--eval_interval=2"]
-    with pytest.raises(train.CompileMismatch, match="training batch of step 2 differs"):
+    with pytest.raises(CompileMismatch, match="training batch of step 2 differs"):
         train.main(args + ["--compile=True", "--ckpt_interval=0"])
     assert len(steps) == 2
 
@@ -543,7 +562,7 @@ def test_gpu_compiled_xl_width_step_matches_eager(loss_impl):
 
     eager_loss, eager_grads = step(model)
     torch._dynamo.reset()
-    with train.compiler_settings(train.TrainConfig()):
+    with compile_guard.compiler_settings(config.TrainConfig()):
         loss, grads = step(torch.compile(model))
     torch.testing.assert_close(loss, eager_loss, rtol=0, atol=1e-3)
     for g, ref in zip(grads, eager_grads, strict=True):  # bf16 noise: ~1e-2 relative at most
@@ -551,7 +570,7 @@ def test_gpu_compiled_xl_width_step_matches_eager(loss_impl):
 
 
 _HEAP_PROBE = """
-import ctypes, sys, torch, train
+import ctypes, sys, torch, device
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33, <malloc.h>
     _names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
     _fields_ = [(name, ctypes.c_size_t) for name in _names.split()]
@@ -559,7 +578,7 @@ libc = ctypes.CDLL(None)
 if not hasattr(libc, "mallinfo2"):
     sys.exit(3)
 libc.mallinfo2.restype = MallInfo2
-print(train.keep_freed_memory() if sys.argv[1] == "keep" else None)
+print(device.keep_freed_memory() if sys.argv[1] == "keep" else None)
 before = libc.mallinfo2()
 block = torch.empty(64 << 20, dtype=torch.uint8)
 alive = libc.mallinfo2()

@@ -1,10 +1,11 @@
-"""Launchers, the custom ops that torch.compile treats as opaque, and the public function.
+"""fused_linear_cross_entropy: the launchers of triton_kernels.py, the custom ops that
+torch.compile treats as opaque, and the public function.
 
 Forward computes the loss and, when gradients are wanted, dx and dw in the same pass: the loss
 is the last op of the model, so the backward only scales them by the upstream gradient (3 GEMMs,
 not 4). reduction="none" cannot be precomputed that way (each row's upstream gradient is unknown
 in forward), so its backward runs the pass again with those per-row weights. The chunk GEMMs go
-through cublaslt.py (algorithms chosen by timing, CONFIGS "gemm").
+through cublaslt.py (algorithms chosen by timing, LAUNCH "gemm").
 """
 
 import functools
@@ -13,43 +14,34 @@ import os
 import torch
 import triton
 
-from fused_loss import cublaslt, kernels
+from fused_loss import cublaslt, triton_kernels
 from fused_loss.checks import check_inputs
 from fused_loss.reference import linear_cross_entropy_reference
 
-# The row kernel's launch: BV columns per step, programs per SM (persistent over rows; 0: one
-# program per row). BV=4096/per_sm=4 measured best of those tried on the H200 (bench/RESULTS.md).
-# "cpu" serves the Triton interpreter in tests: small blocks so small ragged shapes span several.
-# single_read: _exp_rows_kernel (one read of the buffer, the row scales applied around the GEMMs;
-# kernels.py) instead of _softmax_grad_kernel (two reads). It rounds f * x for the dw GEMM, one
-# rounding more than torch's path, which shows in dw only when dw is rounded again at the end:
-# "auto" takes it when dw is fp32 (the fp32 master weight under autocast; H200: 0.5-1 ms faster,
-# dw error 1.09x torch's), not for bf16 weights (dw error 1.32x torch's). Tried on the H200 and
-# dropped, none faster (bench/RESULTS.md): the dx GEMM on a side stream next to dw, software
-# pipelining of the row loops (num_stages), prefetching the next block into registers, chunk
-# counts chosen to fill the last wave of persistent programs, BV 2048 with 4-6 programs per SM.
-# order: the directions of _softmax_grad_kernel's two passes over a row (kernels.py): "forward",
-# "pass1_back" or "pass2_back". Both backward orders start pass 2 on the blocks pass 1 read
-# last, likelier still in L2. H200, 124M fwd+bwd, GPU ms, 3 interleaved repeats (bench/RESULTS.md,
-# run 20): pass1_back 13.92-13.98 / pass2_back 14.16-14.24 / forward 14.36-14.40 without padded
-# columns, and 13.99-14.04 / 14.25-14.26 / 14.42-14.46 with them filled.
-# cap_regs: cap the row kernels' registers (ptxas .maxnreg, row_kernel_maxnreg) so that per_sm
-# programs fit on an SM at once, as the persistent grid assumes. Uncapped, ptxas's counts swing
-# with small code changes and with vocab_size (64 to 111 registers, triton 3.6, sm_90a) and the
-# kernel slows down: 14.50-15.96 ms against 14.13-14.72 capped (run 20; counts in RESULTS).
-# mask: how padded columns leave the softmax. "fill": -inf is written into the chunk's padded
-# logit columns after the logits GEMM (one small strided fill per chunk) and the row kernel
-# runs unmasked. "kernel": the row kernel masks from vocab_size on. Same results (tested);
-# "fill" measured 0.06-0.3 ms faster at vocab_size 50257 (run 20: 13.99-14.04 against
-# 14.12-14.16 with pass1_back).
-# gemm: "cublaslt" runs the chunk GEMMs through fused_loss.cublaslt, each shape's algorithm chosen
-# on its first call by timing the heuristic's first lt_candidates (lt_workspace bytes at most) and
-# torch's own call; "torch": torch.mm / addmm, cuBLAS's own first pick, fixed (runs repeat bit for
-# bit; timed picks can differ between processes). bf16/fp16 only; fp32 GEMMs stay torch's.
-# H200 (bench/RESULTS.md §1, runs 73-75): cuBLAS's pick for the accumulating dw GEMM was 1.2x the
-# best candidate at 124M and 1.27x at 1558M; the logits GEMM 1.05x, dx 1.04-1.1x; the best were
-# always among the first 8 candidates, and as fast without workspace (no split-K), so nothing is
-# allocated for them. 124M fwd+bwd: 13.33-13.38 GPU ms against 14.10 with gemm="torch".
+# The launch of the row kernels (triton_kernels.py), by device ("cpu": the Triton interpreter in
+# tests, small blocks so that small ragged shapes span several). The choices' timings:
+# bench/RESULTS.md §1.
+#   BV, BD        columns per step of the row kernels; D-block of _row_scale_kernel
+#   per_sm        programs per SM (persistent over rows; 0: one program per row)
+#   single_read   _exp_rows_kernel (one read of the buffer, the row scales applied around the
+#                 GEMMs) instead of _softmax_grad_kernel (two reads). It rounds f * x for the dw
+#                 GEMM, one rounding more than torch's path, which shows only when dw is rounded
+#                 again at the end: "auto" takes it when dw is fp32 (the fp32 master weight under
+#                 autocast), not for bf16 weights
+#   order         directions of _softmax_grad_kernel's two passes over a row: "forward",
+#                 "pass1_back" or "pass2_back"; the backward orders start pass 2 on the blocks
+#                 pass 1 read last, likelier still in L2
+#   cap_regs      cap the row kernels' registers (ptxas .maxnreg, row_kernel_maxnreg) so that
+#                 per_sm programs fit on an SM at once, as the persistent grid assumes; uncapped,
+#                 ptxas's counts swing with small code changes and with vocab_size
+#   mask          how padded columns leave the softmax: "fill" writes -inf into the chunk's padded
+#                 logit columns after the logits GEMM and the row kernel runs unmasked; "kernel":
+#                 the row kernel masks from vocab_size on. Same results
+#   gemm          "cublaslt": the chunk GEMMs through fused_loss.cublaslt, each shape's algorithm
+#                 chosen on its first call by timing the heuristic's first lt_candidates
+#                 (lt_workspace bytes at most) and torch's own call; "torch": torch.mm / addmm,
+#                 cuBLAS's first pick, fixed (runs repeat bit for bit; timed picks can differ
+#                 between processes). bf16/fp16 only; fp32 GEMMs stay torch's
 _CHOICES = dict(
     single_read="auto",
     order="pass1_back",
@@ -60,7 +52,7 @@ _CHOICES = dict(
     lt_workspace=0,
 )
 ORDERS = ("forward", "pass1_back", "pass2_back")
-CONFIGS = {
+LAUNCH = {
     "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, **_CHOICES),
     "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, **_CHOICES),
 }
@@ -115,7 +107,7 @@ def _gemm(out, a, b, cfg, accumulate=False, tune_accumulate=False):
     calls accumulate, so that cuBLASLt times its candidates as accumulating calls.
 
     CUDA bf16/fp16 with gemm="cublaslt": the fastest of cuBLASLt's candidates and torch's own call,
-    timed on the first call of each shape (CONFIGS); else torch (cuBLAS's first pick).
+    timed on the first call of each shape (LAUNCH); else torch (cuBLAS's first pick).
     """
     beta = 1 if accumulate else 0
     if (
@@ -153,7 +145,7 @@ def _accumulate_dw(accs, parts, g_t, xs, first, cfg):
     """accs[k] = (or +=) g_t[a:b] @ xs for each row range (a, b) of dw: fp32 accumulation.
 
     A function so that no loop variable outlives the chunk loop: one left referencing the last
-    part kept it alive through the casts (1558M: +153.5 MiB at the peak, bench/RESULTS.md run 35).
+    part kept it alive through the casts (one more part's memory at the peak).
     """
     for (a, b), acc in zip(parts, accs, strict=True):
         _gemm(acc, g_t[a:b], xs, cfg, accumulate=not first, tune_accumulate=first)
@@ -165,23 +157,23 @@ def row_kernel_maxnreg(num_warps, per_sm):
 
 
 def use_single_read(option, compute_dtype, dw_dtype):
-    """The single-read kernel or not, for CONFIGS' single_read option (True, False, "auto")."""
+    """The single-read kernel or not, for LAUNCH' single_read option (True, False, "auto")."""
     if option == "auto":  # f * x adds a rounding to dw, hidden only when dw is not rounded again
         option = dw_dtype == torch.float32
     return option and compute_dtype != torch.float16  # E reaches e^60: not for fp16
 
 
 def row_kernel_setup(cfg, cuda, vocab_size, V):
-    """The row kernels' launch from a CONFIGS entry: (options, order, fill, mask_cols).
+    """The row kernels' launch from a LAUNCH entry: (options, order, fill, mask_cols).
 
     options: compile options (num_warps, and maxnreg when cap_regs on CUDA); order: the two-read
     kernel's PASS1_BACK / PASS2_BACK constexprs; fill: write -inf into the padded logit columns
     after the logits GEMM; mask_cols: the column from which the kernels treat logits as -inf.
     """
     if cfg["mask"] not in ("kernel", "fill"):
-        raise ValueError(f"CONFIGS mask: kernel or fill, not {cfg['mask']!r}")
+        raise ValueError(f"LAUNCH mask: kernel or fill, not {cfg['mask']!r}")
     if cfg["order"] not in ORDERS:
-        raise ValueError(f"CONFIGS order: one of {ORDERS}, not {cfg['order']!r}")
+        raise ValueError(f"LAUNCH order: one of {ORDERS}, not {cfg['order']!r}")
     fill = cfg["mask"] == "fill" and vocab_size < V
     mask_cols = V if fill else vocab_size
     order = dict(PASS1_BACK=cfg["order"] == "pass1_back", PASS2_BACK=cfg["order"] == "pass2_back")
@@ -206,7 +198,7 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     V = w.shape[0]
     dev = x.device
     cuda = dev.type == "cuda"
-    cfg = CONFIGS["cuda" if cuda else "cpu"]
+    cfg = LAUNCH["cuda" if cuda else "cpu"]
     if N == 0:  # no tokens: no loss terms, zero gradients
         loss = x.new_zeros(0, dtype=torch.float32)
         if want_grad:
@@ -237,8 +229,10 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
             p = torch.empty((n, D), device=dev, dtype=torch.float32)  # E @ w of a chunk
             xs_scaled = torch.empty((n, D), device=dev, dtype=x.dtype)  # f * x of a chunk
     options, order, fill, mask_cols = row_kernel_setup(cfg, cuda, vocab_size, V)
-    launch = dict(G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], UPCAST=not cuda, **options)
-    scale = dict(BD=cfg["BD"], UPCAST=not cuda)
+    launch = dict(
+        G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], INTERPRETED=not cuda, **options
+    )
+    scale = dict(BD=cfg["BD"], INTERPRETED=not cuda)
 
     for i, c0 in enumerate(range(0, N, n)):
         rows = min(n, N - c0)
@@ -252,15 +246,15 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
         args += (rows, V, vocab_size, mask_cols, z.stride(0), ignore_index)
         grid = (min(rows, programs),)
         if single:  # z -> E in place, f = g / S
-            kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, **launch)
+            triton_kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, **launch)
         else:  # z -> G in place
-            kernels._softmax_grad_kernel[grid](*args, **order, **launch)
+            triton_kernels._softmax_grad_kernel[grid](*args, **order, **launch)
         if not want_grad:
             continue
         if single:  # dx = f * (E @ w), dw += E.T @ (f * x)
             _gemm(p[:rows], z, w, cfg)
-            kernels._row_scale_kernel[(rows,)](p, f, dxs, D, **scale)
-            kernels._row_scale_kernel[(rows,)](xs, f, xs_scaled, D, **scale)
+            triton_kernels._row_scale_kernel[(rows,)](p, f, dxs, D, **scale)
+            triton_kernels._row_scale_kernel[(rows,)](xs, f, xs_scaled, D, **scale)
             xs = xs_scaled[:rows]
         else:  # dx = G @ w, dw += G.T @ x
             _gemm(dxs, z, w, cfg)
@@ -346,8 +340,8 @@ def _scale_grads_(dx: torch.Tensor, dw: torch.Tensor, g: torch.Tensor) -> None:
     g = g.to(torch.float32).reshape(1)
     for t in (dx, dw):
         block = 4096
-        kernels._scale_kernel[(triton.cdiv(t.numel(), block),)](
-            t, g, t, t.numel(), BLOCK=block, UPCAST=t.device.type != "cuda"
+        triton_kernels._scale_kernel[(triton.cdiv(t.numel(), block),)](
+            t, g, t, t.numel(), BLOCK=block, INTERPRETED=t.device.type != "cuda"
         )
 
 

@@ -8,39 +8,36 @@ Math, for x (N, D), w (V, D), targets y (N,) and per-row gradient weights g (N,)
     dx = G @ w   (N, D)          dw = G.T @ x   (V, D)
 g_n is 1/count (mean), 1 (sum) or the upstream gradient ("none"); 0 for ignored targets.
 
-fused.py runs the rows in chunks of n tokens through one (n, V) buffer, so the (N, V) logits never
-exist: cuBLAS writes the chunk's z into the buffer (compute dtype, fp32 accumulation),
-_softmax_grad_kernel turns it into G in place and writes the losses, then cuBLAS forms dx of the
-chunk and adds G.T @ x into an fp32 dw. Each logit is computed once (3 GEMMs: z, dx, dw); the
-elementwise work is two reads and one write of the buffer (one of each in the single-read variant).
+The launcher (linear_cross_entropy.py) runs the rows in chunks of n tokens through one (n, V)
+buffer, so the (N, V) logits never exist: cuBLAS writes the chunk's z into the buffer (compute
+dtype, fp32 accumulation), _softmax_grad_kernel turns it into G in place and writes the losses,
+then cuBLAS forms dx of the chunk and adds G.T @ x into an fp32 dw. Each logit is computed once
+(3 GEMMs: z, dx, dw); the elementwise work is two reads and one write of the buffer (one of each
+in the single-read variant).
 
 _softmax_grad_kernel, one program per row at a time (persistent over rows):
   pass 1   per-lane running max m and sum s over the real columns with one exp per element
            (s = s * exp(m - z) + 1 when z is a new max, else s + exp(z - m)); lse from the lanes.
   loss     lse - z_y with z_y the stored (rounded) logit, as torch's bf16 path computes it: when
-           p_y ~ 1 the two terms share the rounding of z_y, which cancels. (A target logit in
-           fp32 next to an lse from rounded logits was tried: 6x more accurate early in training,
-           but ~|z_y| 2^-9 off per token once predictions are confident.)
+           p_y ~ 1 the two terms share the rounding of z_y, which cancels (an fp32 target logit
+           next to an lse from rounded logits is ~|z_y| 2^-9 off per token once predictions are
+           confident).
   pass 2   G = g_n (exp(z - lse) - onehot) over all V columns (0 past Vr), rounded once to the
-           buffer's dtype, overwriting z. The row was just read, so this re-read could hit L2,
-           but on the H200 (124M) the kernel takes 3.3 ms against 2.3 ms for the single-read
-           kernel's one read + one write: 1.5x, as if the re-read came from HBM. ~528 rows of
-           ~100 KB are in flight against a 50 MB L2, and pass 2 in the same order as pass 1
-           starts on the oldest blocks. So by default pass 1 runs backward (PASS1_BACK: from
-           the row's last block to its first) and pass 2 forward from the blocks just read;
-           PASS2_BACK is the mirror image. Both beat the plain order, PASS1_BACK by the most
-           once the registers were capped (fused.CONFIGS "order"; bench/RESULTS.md).
+           buffer's dtype, overwriting z. The row was just read, but with hundreds of ~100 KB
+           rows in flight its re-read in the same order as pass 1 starts on the blocks least
+           likely to be left in L2. So by default pass 1 runs backward (PASS1_BACK: from the
+           row's last block to its first) and pass 2 forward from the blocks just read;
+           PASS2_BACK is the mirror image (LAUNCH "order").
 
 Padded columns (vocab_size < V) are out of the softmax either way: the kernels treat columns from
-mask_cols on as -inf, where mask_cols is vocab_size, or V once fused.py has written -inf into the
-chunk's padded logit columns (CONFIGS mask="fill", the default). The two differ in cost, not in
-results: an odd mask_cols (50257) compiles to per-element compares that took ptxas (triton 3.6,
-sm_90a) from 64 registers to 80-111 before the registers were capped (fused.CONFIGS "cap_regs"),
-and still costs 0.1 ms at 124M with the cap; mask_cols = V compiles to the unmasked kernel.
+mask_cols on as -inf, where mask_cols is vocab_size, or V once the launcher has written -inf into
+the chunk's padded logit columns (LAUNCH mask="fill", the default). The two differ in cost, not
+in results: an odd mask_cols (50257) compiles to per-element compares that raise the register
+count (LAUNCH "cap_regs"); mask_cols = V compiles to the unmasked kernel.
 A target outside [0, vocab_size) that is not ignore_index gets a NaN loss (_target): it is never
 used as an index.
 
-Single-read variant (CONFIGS "single_read"; by default for fp32 weights only, see fused.py). The
+Single-read variant (LAUNCH "single_read"; by default for fp32 weights only, see the launcher). The
 second read above is there because exp() needs the row's lse before G can be written. Writing
 instead
   E_nv = exp(z_nv - c_n),  c_n = max of the row's first block (<= the row max), and
@@ -49,12 +46,12 @@ instead
 gives G = diag(f) E with ONE scale per row, f_n = g_n / S_n, so the row is read and written once
 (_exp_rows_kernel), and the scale moves outside the GEMMs: dx = diag(f) (E @ w) from an fp32 GEMM
 output, dw += E.T @ (f * x) with f * x rounded once to the compute dtype (_row_scale_kernel, once
-for each). That last rounding is one more than torch's path has: with a bf16 dw, rounded again at
-the end, dw's error is 1.32x torch's (H200, 124M); with an fp32 dw, 1.09x.
+for each). That last rounding is one more than torch's path has; it shows in dw only when dw is
+rounded again at the end (a bf16 dw), hence the variant is the default for an fp32 dw only.
 A block whose max passes c + REBASE (60 nats; e^60 * V still fits fp32) raises c to that max and
 rescales the row's already written E (rare: only rows whose first block is far below their max).
 
-Under the CPU interpreter (UPCAST) fp32 -> bf16 casts are rounded to nearest by hand, because
+Under the CPU interpreter (INTERPRETED) fp32 -> bf16 casts are rounded to nearest by hand, because
 the interpreter truncates (seen with triton 3.9; the GPU path is untouched).
 """
 
@@ -65,9 +62,9 @@ LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: compiled kernels may re
 
 
 @triton.jit
-def _cast(v, dtype: tl.constexpr, UPCAST: tl.constexpr):
+def _cast(v, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     """v.to(dtype), rounding to nearest-even for bf16 under the interpreter (which truncates)."""
-    if UPCAST and dtype == tl.bfloat16:
+    if INTERPRETED and dtype == tl.bfloat16:
         bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         v = bits.to(tl.float32, bitcast=True)
@@ -117,7 +114,7 @@ def _softmax_grad_kernel(
     n_rows,
     V,
     vocab_size,  # targets must lie in [0, vocab_size)
-    mask_cols,  # columns from here on are -inf: vocab_size, or V when fused.py filled them
+    mask_cols,  # columns from here on are -inf: vocab_size, or V when the launcher filled them
     stride_z,
     ignore_index,
     G_PER_ROW: tl.constexpr,
@@ -125,7 +122,7 @@ def _softmax_grad_kernel(
     BV: tl.constexpr,
     PASS1_BACK: tl.constexpr,  # pass 1 from the row's last block to its first
     PASS2_BACK: tl.constexpr,  # pass 2 likewise
-    UPCAST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     lanes = tl.arange(0, BV)
     for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
@@ -166,7 +163,9 @@ def _softmax_grad_kernel(
                 z = _load_logits(z_row, cols, V, mask_cols)
                 p = tl.exp2(z * LOG2E - lse2)  # 0 past vocab_size
                 grad = g * (p - tl.where(cols == y_hot, 1.0, 0.0))
-                tl.store(z_row + cols, _cast(grad, z_ptr.dtype.element_ty, UPCAST), mask=cols < V)
+                tl.store(
+                    z_row + cols, _cast(grad, z_ptr.dtype.element_ty, INTERPRETED), mask=cols < V
+                )
 
 
 @triton.jit
@@ -186,7 +185,7 @@ def _exp_rows_kernel(
     WRITE_G: tl.constexpr,
     REBASE: tl.constexpr,
     BV: tl.constexpr,
-    UPCAST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     lanes = tl.arange(0, BV)
     out_ty = z_ptr.dtype.element_ty
@@ -209,11 +208,11 @@ def _exp_rows_kernel(
                 if WRITE_G:
                     for u0 in range(0, v0, BV):
                         old = tl.load(z_row + u0 + lanes).to(tl.float32)
-                        tl.store(z_row + u0 + lanes, _cast(old * scale, out_ty, UPCAST))
+                        tl.store(z_row + u0 + lanes, _cast(old * scale, out_ty, INTERPRETED))
             e = tl.exp2((z - c) * LOG2E)  # 0 past vocab_size
             s += e
             if WRITE_G:
-                tl.store(z_row + cols, _cast(e, out_ty, UPCAST), mask=cols < V)
+                tl.store(z_row + cols, _cast(e, out_ty, INTERPRETED), mask=cols < V)
         S = tl.sum(s, axis=0)
         lse = c + tl.log(S)
         tl.store(loss_ptr + r, _row_loss(valid, ok, lse, z_y))
@@ -221,7 +220,7 @@ def _exp_rows_kernel(
             tl.store(f_ptr + r, _row_weight(g_ptr, r, valid, G_PER_ROW) / S)
             if ok:  # the one-hot: G_y = f (E_y - S) = g (p_y - 1), E_y from z_y in fp32
                 e_y = tl.exp2((z_y - c) * LOG2E)  # not the stored, rounded E_y: when p_y ~ 1,
-                tl.store(z_row + y, _cast(e_y - S, out_ty, UPCAST))  # E_y - S cancels
+                tl.store(z_row + y, _cast(e_y - S, out_ty, INTERPRETED))  # E_y - S cancels
 
 
 @triton.jit
@@ -231,7 +230,7 @@ def _row_scale_kernel(
     out_ptr,  # (n, D) out: f * src formed in fp32, rounded once to out's dtype
     D,
     BD: tl.constexpr,
-    UPCAST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     r = tl.cast(tl.program_id(0), tl.int64)
     ks = tl.arange(0, BD)
@@ -239,15 +238,17 @@ def _row_scale_kernel(
     for k in range(0, D, BD):
         ok = (k + ks) < D
         v = tl.load(src_ptr + r * D + k + ks, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + r * D + k + ks, _cast(f * v, out_ptr.dtype.element_ty, UPCAST), mask=ok)
+        tl.store(
+            out_ptr + r * D + k + ks, _cast(f * v, out_ptr.dtype.element_ty, INTERPRETED), mask=ok
+        )
 
 
 @triton.jit
-def _scale_kernel(src_ptr, g_ptr, dst_ptr, numel, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
+def _scale_kernel(src_ptr, g_ptr, dst_ptr, numel, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """dst = src * g, g a 1-element fp32 tensor; the product is formed in fp32, rounded once.
     dst may be src (each element is read and written by the same program)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     g = tl.load(g_ptr)
     v = tl.load(src_ptr + offs, mask=ok, other=0.0).to(tl.float32) * g
-    tl.store(dst_ptr + offs, _cast(v, dst_ptr.dtype.element_ty, UPCAST), mask=ok)
+    tl.store(dst_ptr + offs, _cast(v, dst_ptr.dtype.element_ty, INTERPRETED), mask=ok)

@@ -1,0 +1,259 @@
+"""The run's settings: `TrainConfig`, its parser (config files and --key=value) and its checks.
+
+A config file is Python run with runpy (`name = value` lines); `--name=value` arguments override
+it and are parsed as Python literals. Unknown keys and wrong types fail loudly (ConfigError).
+Each field's one-line meaning lives in its metadata and is what `python train.py --help` prints.
+"""
+
+import ast
+import dataclasses
+import os
+import runpy
+import traceback
+import types
+import typing
+from dataclasses import asdict, dataclass, field
+
+from compile_guard import BUFFER_REUSE, COMPILE_MODES
+from model import GPTConfig, normalise_impl
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def setting(default, doc):
+    """A TrainConfig field with its one-line meaning (shown by --help)."""
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a run. The defaults train a 4-layer GPT on the embedded text in about
+    2 minutes on a 2-core CPU; configs/ holds the real recipes."""
+
+    # data
+    dataset: str = setting("embedded", '"embedded" (small text in the repo) or a dir of shards')
+    shuffle: bool = setting(True, "new order of training windows each epoch, from seed")
+    # model: a preset sets the shape fields below unless they are given explicitly too
+    model: str = setting("", 'preset "gpt2"/"124M" ... "gpt2-xl"; "" keeps the fields below')
+    n_layer: int = setting(4, "transformer blocks")
+    n_head: int = setting(4, "attention heads")
+    n_embd: int = setting(128, "width of the residual stream")
+    block_size: int = setting(128, "context length, also the training sequence length T")
+    vocab_size: int = setting(50257, "real tokens")
+    padded_vocab_size: int = setting(50304, "rows of wte / lm_head (a multiple of 64)")
+    dropout: float = setting(0.0, "dropout probability")
+    bias: bool = setting(True, "biases in Linears and LayerNorms, as GPT-2")
+    # fast paths: "fast" or "torch" (the plain PyTorch path); both compute the same math
+    loss_impl: str = setting("fast", '"fast": fused linear+cross-entropy; "torch": full logits')
+    mlp_impl: str = setting("fast", '"fast": the GELU in cuBLASLt epilogues; "torch": F.gelu')
+    adamw_impl: str = setting("fast", '"fast": one Triton launch (CUDA fp32); "torch": torch.optim')
+    low_precision_residual: bool = setting(True, "residual stream in bf16 under autocast (llm.c)")
+    # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
+    batch_size: int = setting(8, "micro-batch size per process (sequences)")
+    total_batch_size: int = setting(1024, "tokens per optimizer step over all processes")
+    max_steps: int = setting(300, "optimizer steps")
+    # optimizer: AdamW; linear warmup, then cosine to learning_rate * final_lr_frac
+    learning_rate: float = setting(2e-3, "peak learning rate")
+    final_lr_frac: float = setting(0.1, "final learning rate as a fraction of the peak")
+    warmup_steps: int = setting(50, "steps of linear warmup")
+    weight_decay: float = setting(0.1, "AdamW weight decay (>= 2-D tensors only)")
+    beta1: float = setting(0.9, "AdamW beta1")
+    beta2: float = setting(0.95, "AdamW beta2")
+    grad_clip: float = setting(1.0, "max global grad norm (0: no clipping)")
+    # evaluation and samples (0 disables the interval; val still runs after the last step)
+    eval_interval: int = setting(50, "steps between validation passes")
+    val_tokens: int = setting(8192, "tokens per validation pass, split over ranks")
+    sample_interval: int = setting(150, "steps between printed samples")
+    sample_tokens: int = setting(48, "tokens per printed sample")
+    hellaswag: bool = setting(False, "HellaSwag acc_norm with each val loss")
+    hellaswag_path: str = setting("", '"" -> data/cache/hellaswag/hellaswag_val.jsonl')
+    # checkpoints and logs
+    out_dir: str = setting("out", "checkpoints and log.jsonl go here")
+    ckpt_interval: int = setting(100, "steps between checkpoints (0: only at the end)")
+    keep_last: int = setting(1, "checkpoints kept, the newest (0: all)")
+    resume: bool = setting(False, "continue from the newest checkpoint in out_dir")
+    wandb: bool = setting(False, "log to Weights & Biases")
+    wandb_project: str = setting("gpt2", "W&B project")
+    wandb_run_name: str = setting("", "W&B run name")
+    # system
+    device: str = setting("auto", '"auto", "cpu", "cuda", "cuda:N"')
+    dtype: str = setting("auto", '"auto" (bf16 on CUDA, fp32 on CPU), "bfloat16", "float32"')
+    compile: bool | None = setting(None, "torch.compile the model (None: on for CUDA)")
+    compile_mode: str = setting("default", 'torch.compile mode: "default", "max-autotune", ...')
+    # 1 saves what the partitioner chooses; below 1 the backward recomputes cheap pointwise
+    # activations instead of keeping them, trading a little time for memory
+    activation_memory_budget: float = setting(1.0, "torch.compile activation memory budget")
+    coordinate_descent_tuning: bool = setting(False, "Inductor block-size tuning while compiling")
+    # "no_inplace": with in-place buffers torch.compile has produced wrong losses and gradients
+    # at 774M and 1558M (bench/RESULTS.md §2b); no cost measured
+    buffer_reuse: str = setting("no_inplace", "Inductor buffer reuse: all, no_inplace or none")
+    # the guard against wrongly compiled graphs (compile_guard.py); skipped with dropout > 0,
+    # where the two forwards draw different masks
+    check_compile: bool = setting(True, "check compiled loss against eager at step 0/after eval")
+    # "model": compile, then wrap in DDP (nanoGPT); "ddp": compile the DDP module, so Dynamo
+    # splits the graph at gradient buckets and each all-reduce overlaps the backward
+    ddp_compile: str = setting("model", '"model" or "ddp": which of DDP and compile wraps')
+    seed: int = setting(1337, "seed of the init, dropout and data order")
+
+
+# TrainConfig fields that a preset sets, and all those that make up the GPTConfig
+PRESET_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padded_vocab_size")
+MODEL_KEYS = PRESET_KEYS + ("dropout", "bias", "low_precision_residual")
+# how a layer is computed, not what: a run may resume with other values (e.g. "torch" where
+# cuBLASLt is missing); every other model key must match the checkpoint's
+IMPL_KEYS = ("loss_impl", "mlp_impl")
+MODEL_KEYS += IMPL_KEYS
+
+
+def help_text(doc):
+    """`doc` (the script's docstring) and one line per setting: --name=default  meaning."""
+    rows = [
+        (f"--{f.name}={f.default!r}", f.metadata["doc"]) for f in dataclasses.fields(TrainConfig)
+    ]
+    width = max(len(flag) for flag, _ in rows)
+    lines = "\n".join(f"  {flag:<{width}}  {meaning}" for flag, meaning in rows)
+    return f"{doc}\nSettings (--name=default  meaning):\n{lines}"
+
+
+def _check_type(key, value, typ):
+    """Return value as the field's type (int -> float is the only conversion), else raise."""
+    allowed = typing.get_args(typ) if isinstance(typ, types.UnionType) else (typ,)
+    for t in allowed:
+        if t is type(None) and value is None:
+            return value
+        if t is float and type(value) is int:
+            return float(value)
+        if type(value) is t:  # exact: a bool is not accepted as an int
+            return value
+    names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+    raise ConfigError(f"config key {key!r} expects {names}, got {value!r} ({type(value).__name__})")
+
+
+def _parse_arg(key, text, typ):
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        if typ is not str:
+            raise ConfigError(f"config key {key!r}: cannot parse {text!r} as a value") from None
+        value = text  # a bare word for a str field: --device=cuda
+    if typ is str and not isinstance(value, str):
+        value = text  # --out_dir=2024 means the string "2024"
+    return value
+
+
+def run_config_file(path):
+    """The names a config file defines. It is Python, run with runpy (hence arithmetic and
+    helpers); a syntax error, or a name that is not defined (text without quotes), is a
+    ConfigError saying file:line."""
+    try:
+        return runpy.run_path(path)
+    except SyntaxError as e:
+        text = f": {e.text.strip()}" if e.text and e.text.strip() else ""
+        raise ConfigError(f"{e.filename or path}:{e.lineno}: {e.msg}{text}") from e
+    except NameError as e:
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
+        where = f"{path}:{lines[-1]}" if lines else path
+        raise ConfigError(f"{where}: {e} (a config file is Python: text needs quotes)") from e
+
+
+def load_config(argv):
+    """argv: [config.py ...] [--key=value | --flag ...] -> TrainConfig."""
+    fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    overrides = {}
+    for arg in argv:
+        if arg.startswith("--"):
+            key, eq, text = arg[2:].partition("=")
+            if key not in fields:
+                raise ConfigError(f"unknown config key {key!r} (from {arg!r})")
+            if not eq:
+                if fields[key] not in (bool, bool | None):
+                    raise ConfigError(f"config key {key!r} needs a value: --{key}=...")
+                overrides[key] = True
+            else:
+                overrides[key] = _check_type(key, _parse_arg(key, text, fields[key]), fields[key])
+        elif arg.endswith(".py"):
+            if not os.path.isfile(arg):
+                raise ConfigError(f"config file {arg!r} not found")
+            for key, value in run_config_file(arg).items():
+                # modules, functions and _private helpers are not settings
+                if key.startswith("_") or callable(value) or isinstance(value, types.ModuleType):
+                    continue
+                if key not in fields:
+                    raise ConfigError(f"unknown config key {key!r} in {arg}")
+                overrides[key] = _check_type(key, value, fields[key])
+        else:
+            raise ConfigError(f"unexpected argument {arg!r}: expected a config .py or --key=value")
+    values = {}
+    if overrides.get("model"):
+        try:
+            preset = asdict(GPTConfig.from_preset(overrides["model"]))
+        except ValueError as e:
+            raise ConfigError(f"config key 'model': {e}") from None
+        values.update({k: preset[k] for k in PRESET_KEYS})
+    values.update(overrides)
+    cfg = TrainConfig(**values)
+    for key in ("loss_impl", "mlp_impl", "adamw_impl"):  # old names ("fused", ...) still accepted
+        try:
+            setattr(cfg, key, normalise_impl(key, getattr(cfg, key)))
+        except ValueError as e:
+            raise ConfigError(f"config key {key!r}: {e}") from None
+    _check_ranges(cfg)
+    return cfg
+
+
+def _check_ranges(cfg):
+    positive = ("batch_size", "block_size", "total_batch_size", "learning_rate", "val_tokens")
+    non_negative = (
+        "max_steps",
+        "warmup_steps",
+        "weight_decay",
+        "grad_clip",
+        "eval_interval",
+        "sample_interval",
+        "sample_tokens",
+        "ckpt_interval",
+        "keep_last",
+        "seed",  # the data order's generators take no negative seeds
+    )
+    for key in positive + non_negative:
+        value = getattr(cfg, key)
+        if value < 0 or (value == 0 and key in positive):
+            need = "> 0" if key in positive else ">= 0"
+            raise ConfigError(f"config key {key!r} must be {need}, got {value!r}")
+    if not 0.0 <= cfg.final_lr_frac <= 1.0:
+        raise ConfigError(f"config key 'final_lr_frac' must be in [0, 1], got {cfg.final_lr_frac}")
+    if cfg.dtype not in ("auto", "bfloat16", "float32"):
+        raise ConfigError(f"config key 'dtype': auto, bfloat16 or float32, not {cfg.dtype!r}")
+    if not 0.0 < cfg.activation_memory_budget <= 1.0:
+        raise ConfigError(
+            "config key 'activation_memory_budget' must be in (0, 1], "
+            f"got {cfg.activation_memory_budget!r}"
+        )
+    if cfg.activation_memory_budget < 1.0 and cfg.dropout > 0.0:
+        raise ConfigError(
+            "activation_memory_budget < 1 with dropout > 0: the compiled backward may recompute "
+            "dropout with a fresh mask and silently get wrong gradients (pytorch issue #190758); "
+            "use one or the other"
+        )
+    if cfg.buffer_reuse not in BUFFER_REUSE:
+        raise ConfigError(
+            f"config key 'buffer_reuse': one of {tuple(BUFFER_REUSE)}, not {cfg.buffer_reuse!r}"
+        )
+    if cfg.ddp_compile not in ("model", "ddp"):
+        raise ConfigError(f"config key 'ddp_compile': 'model' or 'ddp', not {cfg.ddp_compile!r}")
+    if cfg.compile_mode not in COMPILE_MODES:
+        raise ConfigError(
+            f"config key 'compile_mode': one of {COMPILE_MODES}, not {cfg.compile_mode!r}"
+        )
+
+
+def grad_accum_steps(total_batch_size, batch_size, seq_len, world_size):
+    per_micro = batch_size * seq_len * world_size
+    if total_batch_size <= 0 or total_batch_size % per_micro:
+        raise ConfigError(
+            f"total_batch_size={total_batch_size} must be a positive multiple of batch_size * T * "
+            f"world_size = {batch_size} * {seq_len} * {world_size} = {per_micro}"
+        )
+    return total_batch_size // per_micro

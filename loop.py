@@ -1,0 +1,218 @@
+"""The training loop's bookkeeping: signals, per-step stats read one step late, the run's log."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from checkpoint import newest_note
+
+
+def every(step, interval):
+    return interval > 0 and step % interval == 0
+
+
+class StopFlag:
+    """SIGTERM/SIGINT set a flag: the loop finishes its step, saves and exits (under DDP after one
+    or two more steps: the ranks agree through the flag in each step's all-reduce, read one step
+    late). A second Ctrl-C kills at once; repeated SIGTERMs (a launcher forwarding one) only set
+    the flag again. install() and restore() put it in place and take it out."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested = False
+        self.seen = set()
+        self.old = {}
+
+    def install(self):
+        self.old = {s: signal.signal(s, self) for s in self.SIGNALS}
+        return self
+
+    def restore(self):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        self.old = {}
+
+    def __call__(self, signum, frame):
+        if signum == signal.SIGINT and signum in self.seen:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.requested = True
+        self.seen.add(signum)
+        msg = f"signal {signum}: finishing this step, saving a checkpoint, exiting\n"
+        try:  # os.write, not print: the handler may have interrupted a print (not re-entrant)
+            os.write(sys.stdout.fileno(), msg.encode())
+        except OSError:  # a closed stdout: the stop goes on without the message
+            pass
+
+
+class StepStats:
+    """One step's (loss, stop flag, grad norm), read back one step late.
+
+    Reading them at once (.item()) makes the host wait for the GPU at the end of every step, and
+    the GPU then idles while the host launches the next one. Instead the numbers go to pinned
+    host memory behind an event, and the loop reads them after it has queued the next step. On
+    CPU the same order is kept with wall-clock times.
+    """
+
+    def __init__(self, device, step, lr):
+        self.cuda = device.type == "cuda"
+        self.step, self.lr = step, lr
+        self.start = self._mark()
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def finish(self, stats):
+        if self.cuda:
+            self.host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+            self.host.copy_(stats, non_blocking=True)
+        else:
+            self.host = stats
+        self.end = self._mark()
+
+    def read(self, since=None):
+        """The stats as floats and the step's time in seconds: from `since` (the previous step's
+        end, when nothing ran in between) or from this step's start."""
+        since = self.start if since is None else since
+        if not self.cuda:
+            return self.host.tolist(), self.end - since
+        self.end.synchronize()
+        return self.host.tolist(), since.elapsed_time(self.end) / 1000
+
+
+def format_step(rec, max_steps):
+    line = (
+        f"step {rec['step']:6d}/{max_steps} | loss {rec['loss']:.6f} | lr {rec['lr']:.2e} | "
+        f"norm {rec['grad_norm']:.4f} | {rec['ms']:.1f} ms | {rec['tok_per_s']:,.0f} tok/s"
+    )
+    if rec.get("mfu") is not None:
+        line += f" | MFU {100 * rec['mfu']:.1f}%"
+    return line
+
+
+class StepLog:
+    """Logs finished steps one step late: push(st) after a step is queued reads the one before;
+    flush() reads the last one now (before an eval or checkpoint, which may stop the run). Both
+    return whether any rank asked to stop. A non-finite loss or norm stops the run."""
+
+    def __init__(self, run_log, print0, cfg, world_size, tokens, flops, peak):
+        self.run_log, self.print0 = run_log, print0
+        self.max_steps, self.out_dir, self.world_size = cfg.max_steps, cfg.out_dir, world_size
+        self.tokens, self.flops, self.peak = tokens, flops, peak  # per step; peak FLOP/s or None
+        self.pending = self.prev_end = None  # the last step's StepStats, and the one before's end
+
+    def push(self, st):
+        stop = False
+        if self.pending is not None:
+            stop = self._report(self.pending, self.prev_end)
+            self.prev_end = self.pending.end  # nothing ran in between: time end to end
+        self.pending = st
+        return stop
+
+    def flush(self):
+        if self.pending is None:
+            return False
+        stop = self._report(self.pending, self.prev_end)
+        self.pending = self.prev_end = None
+        return stop
+
+    def _report(self, st, since):
+        (loss, stop, norm), dt = st.read(since)
+        loss /= self.world_size  # summed over ranks
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise SystemExit(
+                f"error: step {st.step}: loss {loss}, grad norm {norm}: not finite. "
+                f"Stopped without saving; {newest_note(self.out_dir)}. Try a lower "
+                "learning_rate or more warmup_steps."
+            )
+        mfu = self.flops / dt / (self.peak * self.world_size) if self.peak else None
+        rec = {
+            "step": st.step,
+            "loss": loss,
+            "lr": st.lr,
+            "grad_norm": norm,
+            "ms": 1000 * dt,
+            "tok_per_s": self.tokens / dt,
+            "mfu": mfu,
+        }
+        self.print0(format_step(rec, self.max_steps))
+        self.run_log.write(rec)
+        return stop > 0
+
+
+def trim_log(path, step):
+    """Drop the records a run resumed at `step` writes again (train steps >= step, val > step)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    keep = [r for r in recs if r["step"] < step or ("val_loss" in r and r["step"] == step)]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in keep)
+    os.replace(path + ".tmp", path)
+
+
+class RunLog:
+    """out_dir/log.jsonl (one JSON record a line) and W&B when asked; on rank 0 only."""
+
+    def __init__(self):
+        self.file = self.wandb_run = None
+
+    def open(self, cfg, start_step, config_error):
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        path = os.path.join(cfg.out_dir, "log.jsonl")
+        trim_log(path, start_step)
+        self.file = open(path, "a")  # closed by close()
+        if cfg.wandb:
+            try:
+                import wandb
+            except ImportError as e:
+                raise config_error("wandb=True needs wandb: pip install wandb") from e
+            name = cfg.wandb_run_name or None
+            self.wandb_run = wandb.init(project=cfg.wandb_project, name=name, config=vars(cfg))
+
+    def write(self, rec):
+        if self.file is not None:
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in rec.items() if v is not None}, step=rec["step"])
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def triton_version():
+    try:
+        import triton  # absent on some CPU-only installs; training does not need it there
+    except ImportError:
+        return "not installed"
+    return triton.__version__
+
+
+def git_sha():
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            timeout=10,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -1,0 +1,76 @@
+"""AdamW for training: its construction, state loading, the clipped step and the LR schedule."""
+
+import math
+
+import torch
+
+from fused_loss.adamw import MultiTensorAdamW
+
+
+def build_optimizer(model, cfg, device):
+    """AdamW; weight decay only on >= 2-D tensors (matmul weights, embeddings), not on biases or
+    LayerNorm gains. On CUDA: MultiTensorAdamW (one Triton launch) for fp32 parameters unless
+    adamw_impl="torch", else torch's fused kernel. Both keep the same state (checkpoints move)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    kw = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    fp32 = all(p.dtype == torch.float32 for p in params)
+    if device.type == "cuda" and cfg.adamw_impl == "fast" and fp32:
+        return MultiTensorAdamW(groups, **kw)
+    return torch.optim.AdamW(groups, **kw, fused=device.type == "cuda")
+
+
+def load_optimizer_state(optimizer, state):
+    """optimizer.load_state_dict(state), keeping the optimizer's own choice of kernel: a state
+    saved by MultiTensorAdamW carries no "fused"/"foreach" flags, and torch's AdamW would
+    otherwise take them from it (and drop to its slower per-tensor loop). A fused AdamW keeps
+    its step counters on the parameters' device (torch moves them only for fused states)."""
+    how = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, flags in zip(optimizer.param_groups, how, strict=True):
+        group.update(flags)
+        for p in group["params"] if group.get("fused") else []:
+            if "step" in optimizer.state.get(p, {}):
+                step = optimizer.state[p]["step"]
+                optimizer.state[p]["step"] = step.to(dtype=torch.float32, device=p.device)
+
+
+def clipped_step(optimizer, params, max_norm):
+    """clip_grad_norm_(params, max_norm), then optimizer.step(); returns the total grad norm
+    before clipping (a device scalar: no host sync). params: the optimizer's parameters, in the
+    model's order (the norm's summation order, so the plain path is bitwise what it was).
+
+    A fused AdamW divides each grad by `optimizer.grad_scale` (a device tensor; the hook
+    GradScaler uses) as it reads it, so there the clip factor rides along: the grads are read
+    once for the norm and once by the update, instead of also being scaled in place in between
+    (4 of 40 bytes per parameter fewer; bench/bench_adamw.py times both). The grads left behind
+    are the clipped ones (MultiTensorAdamW leaves them unclipped: 4 bytes fewer again).
+    Non-fused optimizers (CPU) take the plain path."""
+    params = list(params)
+    if isinstance(optimizer, MultiTensorAdamW):  # the same, the norm in one launch too
+        norm = optimizer.total_norm()
+    elif all(group.get("fused") for group in optimizer.param_groups):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        optimizer.step()
+        return norm
+    # clip_grad_norm_ multiplies by min(max_norm / (norm + 1e-6), 1); the kernel divides by
+    # the inverse (within an ulp of it; a non-finite norm poisons the step the same way)
+    optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+    optimizer.step()
+    return norm
+
+
+def get_lr(step, cfg):
+    """Linear warmup over warmup_steps, then cosine down to learning_rate * final_lr_frac."""
+    max_lr, min_lr = cfg.learning_rate, cfg.learning_rate * cfg.final_lr_frac
+    if step < cfg.warmup_steps:
+        return max_lr * (step + 1) / cfg.warmup_steps
+    if step >= cfg.max_steps:
+        return min_lr
+    ratio = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
