@@ -228,7 +228,8 @@ def test_gpu_no_host_sync_per_token_and_seeded_sampling(decode):
     with torch.no_grad():  # tied: the padded classifier rows would win every softmax
         model.transformer.wte.weight[V:] = 1e4
     idx = torch.randint(0, V, (4, 5), device="cuda")
-    kw = dict(temperature=0.8, top_k=200, top_p=0.95, decode=decode)
+    top_p = None if decode == "compile" else 0.95  # compile + top_p decodes as graph (_mode)
+    kw = dict(temperature=0.8, top_k=200, top_p=top_p, decode=decode)
     g = torch.Generator("cuda")
     a = model.generate(idx, 40, generator=g.manual_seed(1), **kw)
     torch.cuda.set_sync_debug_mode("error")
@@ -239,3 +240,16 @@ def test_gpu_no_host_sync_per_token_and_seeded_sampling(decode):
     assert torch.equal(a, b)
     assert int(a.max()) < V
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+def test_compile_with_top_p_on_cuda_decodes_as_graph():
+    """torch 2.11's Inductor cannot generate top-p's cumsum over the vocabulary on CUDA (the GPU
+    test of the compiled step with top_p failed in codegen): that combination decodes with the
+    graph mode, saying so; every other choice is kept."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only the device type is read
+    with pytest.warns(UserWarning, match="decode='graph'"):
+        assert generate._mode("compile", cuda, 0.9) == "graph"
+    assert generate._mode("compile", cuda, None) == "compile"
+    assert generate._mode("compile", cuda, 1.0) == "compile"  # top_p = 1 keeps every id
+    assert generate._mode("compile", cpu, 0.9) == "compile"
+    assert generate._mode("graph", cuda, 0.9) == "graph"
