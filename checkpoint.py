@@ -31,8 +31,9 @@ _DAMAGED = (
 )
 
 
-class CheckpointError(Exception):
-    """A checkpoint that cannot be written or read; the message names the file."""
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or read, or that is not a checkpoint of this model;
+    the message names the file."""
 
 
 def list_checkpoints(out_dir):

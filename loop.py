@@ -163,16 +163,22 @@ def trim_log(path, step):
     os.replace(path + ".tmp", path)
 
 
+class LogError(OSError):
+    """out_dir/log.jsonl cannot be written (disk full); the message names it."""
+
+
 class RunLog:
     """out_dir/log.jsonl (one JSON record a line) and W&B when asked; on rank 0 only."""
 
     def __init__(self):
         self.file = self.wandb_run = None
+        self.failed = False  # a write failed (disk full): reported once, the file is dropped
 
     def open(self, cfg, start_step, config_error):
         os.makedirs(cfg.out_dir, exist_ok=True)
         path = os.path.join(cfg.out_dir, "log.jsonl")
         trim_log(path, start_step)
+        self.out_dir = cfg.out_dir
         self.file = open(path, "a")  # closed by close()
         if cfg.wandb:
             try:
@@ -184,14 +190,25 @@ class RunLog:
 
     def write(self, rec):
         if self.file is not None:
-            self.file.write(json.dumps(rec) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(rec) + "\n")
+                self.file.flush()
+            except OSError as e:  # the run stops: a log with holes would hide what happened
+                self.failed = True
+                raise LogError(
+                    f"cannot write {self.file.name} ({e.strerror or e}): stopped at step "
+                    f"{rec['step']} without saving; {newest_note(self.out_dir)}"
+                ) from e
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in rec.items() if v is not None}, step=rec["step"])
 
     def close(self):
         if self.file is not None:
-            self.file.close()
+            try:
+                self.file.close()  # flushes what a failed write left in the buffer
+            except OSError:
+                if not self.failed:  # else the write's own error is already on its way
+                    raise
         if self.wandb_run is not None:
             self.wandb_run.finish()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from checkpoint import list_checkpoints, load_checkpoint
+from checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from model import GPT, GPTConfig
 
 # Settings added after checkpoints were first written, with the value those older checkpoints
@@ -38,15 +38,20 @@ def from_checkpoint(path, map_location="cpu"):
     ckpt = load_checkpoint(path, map_location)  # CheckpointError naming it if damaged
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
-        raise ValueError(
+        raise CheckpointError(
             f"{path} is not a checkpoint: needs 'model' and 'model_config', has {keys}"
         )
     known = {f.name for f in fields(GPTConfig)}
     unknown = sorted(set(ckpt["model_config"]) - known)
     if unknown:
-        raise ValueError(f"{path}: unknown model_config keys {unknown}; known: {sorted(known)}")
-    config = GPTConfig(**checkpoint_settings(ckpt["model_config"]))
-    return GPT.from_state_dict(config, ckpt["model"], map_location), ckpt
+        raise CheckpointError(
+            f"{path}: unknown model_config keys {unknown}; known: {sorted(known)}"
+        )
+    try:  # settings out of range, missing or misshapen weights: named with the file
+        config = GPTConfig(**checkpoint_settings(ckpt["model_config"]))
+        return GPT.from_state_dict(config, ckpt["model"], map_location), ckpt
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from e
 
 
 def from_hf(directory):

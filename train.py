@@ -39,7 +39,7 @@ from data.shards import DataError, read_shard
 from data.tokenizer import EOT, get_tokenizer
 from device import peak_flops, resolve_dtype
 from errors import run_main
-from loop import RunLog, StepLog, StepStats, StopFlag, every, git_sha, triton_version
+from loop import LogError, RunLog, StepLog, StepStats, StopFlag, every, git_sha, triton_version
 from model import GPT, GPTConfig
 from model_io import checkpoint_settings
 from optim import build_optimizer, clipped_step, get_lr, load_optimizer_state
@@ -52,6 +52,7 @@ USER_ERRORS = {
     ConfigError: "config error",
     DataError: "data error",
     CheckpointError: "checkpoint error",
+    LogError: "log error",
 }
 
 

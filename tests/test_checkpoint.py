@@ -28,7 +28,7 @@ class _FullDisk:
         self.f, self.room = f, room
 
     def write(self, data):
-        n = memoryview(data).nbytes
+        n = len(data.encode()) if isinstance(data, str) else memoryview(data).nbytes
         if n > self.room:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.room -= n
@@ -199,3 +199,52 @@ def test_sample_names_a_damaged_checkpoint_in_one_line(tmp_path):
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert res.stderr.startswith(f"checkpoint error: {path} does not load (RuntimeError: ")
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        ({"weights": torch.ones(3)}, "is not a checkpoint: needs 'model' and 'model_config'"),
+        ({"model": {}, "model_config": {"n_embd": 32, "rope": True}}, "unknown model_config keys"),
+        ({"model": {}, "model_config": {"n_embd": 30, "n_head": 4}}, "not divisible"),
+        ({"model": {"w": torch.ones(1)}, "model_config": {"n_layer": 1}}, "missing keys"),
+    ],
+)
+def test_sample_names_a_file_that_loads_but_is_no_checkpoint(tmp_path, content, says):
+    """A file torch loads that is not a checkpoint of this model (another program's, a config
+    this code does not know, weights that do not fit): one line naming it, no traceback."""
+    path = tmp_path / "ckpt_0000001.pt"
+    torch.save(content, path)
+    res = subprocess.run(
+        [sys.executable, "sample.py", "--ckpt", str(path), "--device", "cpu"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.startswith(f"checkpoint error: {path}") and says in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_a_log_write_that_fails_stops_the_run_in_one_line(tiny_args, tmp_path, monkeypatch):
+    """log.jsonl on a full disk (after a checkpoint has been written): the run stops with a
+    LogError naming the file, the step and the newest checkpoint (one line through errors.py),
+    not a raw OSError from the write or from closing the file."""
+    import loop
+
+    out = tmp_path / "out"
+    real_open = open
+
+    def full_log(path, mode="r", *a, **kw):
+        f = real_open(path, mode, *a, **kw)
+        return _FullDisk(f, room=700) if str(path).endswith("log.jsonl") and "a" in mode else f
+
+    monkeypatch.setattr(loop, "open", full_log, raising=False)  # RunLog opens log.jsonl
+    args = tiny_args + [f"--out_dir={out}", "--max_steps=8", "--ckpt_interval=2"]
+    with pytest.raises(loop.LogError) as err:
+        train.main(args)
+    msg = str(err.value)
+    assert f"cannot write {out / 'log.jsonl'} (No space left on device): stopped at step" in msg
+    assert "without saving; the newest checkpoint, " in msg and "ckpt_000000" in msg
+    assert "\n" not in msg
