@@ -78,6 +78,7 @@ if __name__ == "__main__":
         main()
     except (FileNotFoundError, ValueError, ConnectionError) as err:
         sys.exit(f"error: {err}")
+    distributed.exit_if_launched()
 
 # Expected output (GPT-2 124M imported with --hf-dir, all 10,042 examples; llm.c reports
 # acc_norm 0.2955 and acc 0.2859 for these weights in fp32):

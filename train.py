@@ -417,3 +417,4 @@ def main(argv=None, train_loader=DataLoader):
 
 if __name__ == "__main__":
     run_main(main, USER_ERRORS)
+    distributed.exit_if_launched()

@@ -169,3 +169,20 @@ def test_compiled_loss_check_agrees_across_ranks():
         assert check(torch.tensor(float("nan")), torch.tensor(2.5), True, "batch") is not None
     finally:
         dist.destroy_process_group()
+
+
+def test_exit_if_launched_leaves_only_under_torchrun(monkeypatch):
+    """After a clean end under torchrun the process leaves through os._exit(0), skipping the
+    interpreter's finalisation (where gloo's threads once aborted a finished rank); outside
+    torchrun it returns and the interpreter ends as usual."""
+    import distributed
+
+    calls = []
+    monkeypatch.setattr(distributed.os, "_exit", lambda code: calls.append(code))
+    monkeypatch.delenv("RANK", raising=False)
+    distributed.exit_if_launched()
+    assert calls == []
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    distributed.exit_if_launched()
+    assert calls == [0]
