@@ -185,20 +185,26 @@ class _Evil:
         return (os.system, ("echo this must never run",))
 
 
-def test_sample_names_a_damaged_checkpoint_in_one_line(tmp_path):
-    path = tmp_path / "ckpt_0000001.pt"
-    torch.save({"model": {"w": torch.ones(1000)}, "step": 1}, path)
-    _truncate(path)
+def _sample_py_error(ckpt):
+    """stderr of `python sample.py --ckpt CKPT` on CPU, which must fail in one line, exit 1."""
     res = subprocess.run(
-        [sys.executable, "sample.py", "--ckpt", str(tmp_path), "--device", "cpu"],
+        [sys.executable, "sample.py", "--ckpt", str(ckpt), "--device", "cpu"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert res.returncode == 1 and "Traceback" not in res.stderr
-    assert res.stderr.startswith(f"checkpoint error: {path} does not load (RuntimeError: ")
-    assert len(res.stderr.strip().splitlines()) == 1
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    return res.stderr
+
+
+def test_sample_names_a_damaged_checkpoint_in_one_line(tmp_path):
+    path = tmp_path / "ckpt_0000001.pt"
+    torch.save({"model": {"w": torch.ones(1000)}, "step": 1}, path)
+    _truncate(path)
+    err = _sample_py_error(tmp_path)
+    assert err.startswith(f"checkpoint error: {path} does not load (RuntimeError: ")
 
 
 @pytest.mark.parametrize(
@@ -215,16 +221,8 @@ def test_sample_names_a_file_that_loads_but_is_no_checkpoint(tmp_path, content, 
     this code does not know, weights that do not fit): one line naming it, no traceback."""
     path = tmp_path / "ckpt_0000001.pt"
     torch.save(content, path)
-    res = subprocess.run(
-        [sys.executable, "sample.py", "--ckpt", str(path), "--device", "cpu"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
-    assert res.stderr.startswith(f"checkpoint error: {path}") and says in res.stderr, res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1
+    err = _sample_py_error(path)
+    assert err.startswith(f"checkpoint error: {path}") and says in err, err
 
 
 def test_a_log_write_that_fails_stops_the_run_in_one_line(tiny_args, tmp_path, monkeypatch):
