@@ -1,0 +1,135 @@
+"""Causal attention at the training shapes: each scaled_dot_product_attention backend, same run.
+
+    python bench/bench_attention.py [--shapes 124M:32,1558M:16] [--repeats 5]
+
+For each GPT-2 shape (B, nh, T = 1024, hs = 64, bf16, is_causal) and each backend that accepts
+it (torch's own pick, cuDNN, flash, mem-efficient): forward and forward + backward in ms (CUDA
+events, the median of --repeats rounds of 10 calls), TFLOP/s of the causal fwd + bwd (the
+causal half of 4 * B * nh * T^2 * hs forward, 2.5x that for both), and the errors of y, dq, dk
+and dv against fp32 math attention on the same bf16 inputs (max abs error / max abs reference).
+torch's pick is whichever kernel scaled_dot_product_attention chooses with every backend on.
+Prints a table last; the trainer's attn_impl="fast" puts cuDNN first (model.py).
+"""
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+SHAPES = {"124M": (12, 768), "350M": (16, 1024), "774M": (20, 1280), "1558M": (25, 1600)}
+BACKENDS = {
+    "torch pick": None,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+
+
+def attend(q, k, v, backend):
+    if backend is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def time_ms(fn, repeats):
+    """Median over rounds of the mean ms of 10 calls."""
+    fn()
+    rounds = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        rounds.append(start.elapsed_time(end) / 10)
+    return statistics.median(rounds)
+
+
+def rel_err(got, ref):
+    return ((got.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def measure(name, batch, repeats):
+    n_head, n_embd = SHAPES[name]
+    T, hs = 1024, n_embd // n_head
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shape = (batch, n_head, T, hs)
+    q, k, v = (torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16) for _ in "qkv")
+    dy = torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16)
+    # the fp32 reference on the same bf16 values (math backend)
+    ref_in = [t.float().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref_y = F.scaled_dot_product_attention(*ref_in, is_causal=True)
+    ref_grads = torch.autograd.grad(ref_y, ref_in, dy.float())
+    flops = 4 * batch * n_head * T * T * hs / 2  # causal forward: half of QK^T and PV
+    rows = []
+    for label, backend in BACKENDS.items():
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        try:
+            y = attend(*x, backend)
+            grads = torch.autograd.grad(y, x, dy)
+        except RuntimeError as e:  # the backend refuses this shape or GPU
+            rows.append({"shape": f"{name}:{batch}", "backend": label, "error": str(e)[:80]})
+            continue
+
+        def fwd(x=x, backend=backend):
+            with torch.no_grad():
+                attend(*x, backend)
+
+        def fwd_bwd(x=x, backend=backend):
+            torch.autograd.grad(attend(*x, backend), x, dy)
+
+        f_ms, fb_ms = time_ms(fwd, repeats), time_ms(fwd_bwd, repeats)
+        errs = [rel_err(y, ref_y)] + [rel_err(a, b) for a, b in zip(grads, ref_grads, strict=True)]
+        rows.append(
+            {
+                "shape": f"{name}:{batch}",
+                "backend": label,
+                "fwd_ms": f_ms,
+                "fwd_bwd_ms": fb_ms,
+                "tflops": 3.5 * flops / fb_ms / 1e9,
+                "err": errs,
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def table(rows):
+    lines = [
+        "| shape | backend | fwd ms | fwd+bwd ms | TFLOP/s | err y / dq / dk / dv |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['backend']} | refused: {r['error']} | | | |")
+            continue
+        errs = " / ".join(f"{e:.1e}" for e in r["err"])
+        lines.append(
+            f"| {r['shape']} | {r['backend']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
+            f"{r['tflops']:.0f} | {errs} |"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shapes", default="124M:32,1558M:16", help="model:batch list")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention.py times CUDA kernels: no GPU here")
+    print(torch.cuda.get_device_name(), torch.__version__)
+    rows = []
+    for spec in args.shapes.split(","):
+        name, batch = spec.split(":")
+        rows += measure(name, int(batch), args.repeats)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
