@@ -12,14 +12,12 @@ the blocks through a KV cache on a separate path (`_decode`), so the training fo
 nanoGPT.
 """
 
-import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import generate
 from fused_loss import cublaslt, fused_linear_cross_entropy, linear_cross_entropy_reference
@@ -34,29 +32,21 @@ _PRESETS = {
 }
 _ALIASES = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
 
-# The fast-path switches (loss_impl, mlp_impl, attn_impl; train.py's adamw_impl): "fast" or
-# "torch" (the plain PyTorch path, same math). The names each switch had before stay accepted.
+# The fast-path switches (loss_impl, mlp_impl; train.py's adamw_impl): "fast" or "torch" (the
+# plain PyTorch path, same math). The names each switch had before stay accepted.
 IMPLS = ("fast", "torch")
 _OLD_IMPL_NAMES = {"loss_impl": "fused", "mlp_impl": "cublaslt", "adamw_impl": "triton"}
-
-# attn_impl="fast": the order in which scaled_dot_product_attention tries its kernels in
-# training on a Hopper (sm_90+) GPU: cuDNN's first (bench/RESULTS.md §2e), then torch's own.
-_CUDNN_FIRST = [
-    SDPBackend.CUDNN_ATTENTION,
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-]
 
 
 def normalise_impl(key, value):
     """A fast-path switch's value in today's vocabulary ("fused" for loss_impl -> "fast", ...)."""
-    old = _OLD_IMPL_NAMES.get(key)
-    if old is not None and value == old:
+    if value == _OLD_IMPL_NAMES[key]:
         return "fast"
     if value not in IMPLS:
-        also = f" (or its old name {old!r})" if old else ""
-        raise ValueError(f"{key} must be 'fast' or 'torch'{also}, got {value!r}")
+        old = _OLD_IMPL_NAMES[key]
+        raise ValueError(
+            f"{key} must be 'fast' or 'torch' (or its old name {old!r}), got {value!r}"
+        )
     return value
 
 
@@ -80,11 +70,6 @@ class GPTConfig:
     # where the matmuls run in bf16/fp16 on CUDA, the torch path elsewhere; "torch": F.linear +
     # F.gelu everywhere. Same math (bench/RESULTS.md §2c).
     mlp_impl: str = "fast"
-    # "fast": in training on a Hopper GPU, attention tries cuDNN's kernel first (faster there
-    # than the flash kernel torch picks; bench/RESULTS.md §2e); "torch": torch's own choice.
-    # Evaluation and decoding keep torch's choice: their lengths vary, and cuDNN builds a plan
-    # (~50 ms) for each new one.
-    attn_impl: str = "fast"
 
     def __post_init__(self):
         if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.n_embd) < 1:
@@ -98,7 +83,6 @@ class GPTConfig:
         # old checkpoints say loss_impl="fused", mlp_impl="cublaslt"
         self.loss_impl = normalise_impl("loss_impl", self.loss_impl)
         self.mlp_impl = normalise_impl("mlp_impl", self.mlp_impl)
-        self.attn_impl = normalise_impl("attn_impl", self.attn_impl)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -122,12 +106,6 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
-        # decided once (a device query inside the traced forward would be a graph break)
-        self.cudnn_first = (
-            config.attn_impl == "fast"
-            and torch.cuda.is_available()
-            and torch.cuda.get_device_capability() >= (9, 0)
-        )
 
     def forward(self, x, cache=None, layer=0):
         B, T, C = x.size()
@@ -145,13 +123,9 @@ class CausalSelfAttention(nn.Module):
         # without a cache always causal (T == 1 too: one query, one key), so that no SymBool
         # reaches is_causal when a compiled model meets a second shape (dynamic shapes)
         causal = cache is None or (mask is None and T > 1)
-        backends = contextlib.nullcontext()
-        if self.cudnn_first and self.training and x.is_cuda:
-            backends = sdpa_kernel(_CUDNN_FIRST, set_priority=True)
-        with backends:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
-            )
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
+        )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

@@ -8,7 +8,8 @@ events, the median of --repeats rounds of 10 calls), TFLOP/s of the causal fwd +
 causal half of 4 * B * nh * T^2 * hs forward, 2.5x that for both), and the errors of y, dq, dk
 and dv against fp32 math attention on the same bf16 inputs (max abs error / max abs reference).
 torch's pick is whichever kernel scaled_dot_product_attention chooses with every backend on.
-Prints a table last; the trainer's attn_impl="fast" puts cuDNN first (model.py).
+Prints a table last. On an H200 with torch 2.11, torch's pick is cuDNN's kernel already
+(bench/RESULTS.md §2e).
 """
 
 import argparse

@@ -7,11 +7,10 @@ the plain one, or other loss implementations and train.py arguments.
         [--train-args= --train-args="--compile_mode='reduce-overhead'" ...]
 
 --impls names configurations (IMPLS): "default" (train.py's defaults), "plain" (every fast path
-off: materialised logits, torch MLP, torch's fused AdamW, torch's choice of attention kernel,
-fp32 residual stream; the stand-in for nanoGPT's path), "fused" / "torch" (only the loss
-switched), "attn_torch" (only attention). --repeats runs every (run, impl) that many times,
-interleaved, and the table gives the median, with each impl's ratio to "plain" when both ran.
-A run is model:batch, or model:batch:steps:warmup to override --steps/--warmup.
+off: materialised logits, torch MLP, torch's fused AdamW, fp32 residual stream; the stand-in for
+nanoGPT's path), "fused" / "torch" (only the loss switched). --repeats runs every (run, impl)
+that many times, interleaved, and the table gives the median, with each impl's ratio to "plain"
+when both ran. A run is model:batch, or model:batch:steps:warmup to override --steps/--warmup.
 
 Each run is a fresh process calling train.main (compiled model, bf16 autocast, fused AdamW, one
 micro-batch per step: total batch = B * 1024) on a shard of uniform random tokens. Reported per
@@ -47,10 +46,9 @@ from data.shards import write_shard  # noqa: E402
 
 PRESETS = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
 PLAIN = ["--loss_impl='torch'", "--mlp_impl='torch'", "--adamw_impl='torch'"]
-PLAIN += ["--attn_impl='torch'", "--low_precision_residual=False"]
+PLAIN += ["--low_precision_residual=False"]
 IMPLS = {"default": [], "plain": PLAIN, "fused": ["--loss_impl='fused'"]}
 IMPLS["torch"] = ["--loss_impl='torch'"]
-IMPLS["attn_torch"] = ["--attn_impl='torch'"]  # the defaults with torch's choice of attention
 
 # Runs inside the child: train, then report peak memory (and the profile when asked).
 CHILD = r"""

@@ -142,9 +142,7 @@ def test_the_walk_finds_a_probe():
 @pytest.mark.parametrize("loss_impl", ["torch", "fused"])
 def test_gpu_fullgraph_for_every_switch(loss_impl, mlp_impl, low_precision_residual):
     """torch.compile(fullgraph=True) of a training step (bf16 autocast, fp32 weights) for every
-    fast-path switch: a graph break raises; the loss matches eager mode's. attn_impl takes each
-    value in half the cases (it goes with the residual switch)."""
-    attn_impl = "fast" if low_precision_residual else "torch"
+    fast-path switch: a graph break raises; the loss matches eager mode's."""
     torch.manual_seed(0)
     cfg = GPTConfig(
         n_layer=2,
@@ -153,7 +151,6 @@ def test_gpu_fullgraph_for_every_switch(loss_impl, mlp_impl, low_precision_resid
         block_size=64,
         loss_impl=loss_impl,
         mlp_impl=mlp_impl,
-        attn_impl=attn_impl,
         low_precision_residual=low_precision_residual,
     )
     model = GPT(cfg).cuda()
