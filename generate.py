@@ -27,8 +27,9 @@ position, and each later token re-runs the whole window in one eager forward, as
 
 Sampling: logits of the vocab_size real tokens only (the padded classifier columns are sliced
 off, so no id >= vocab_size can be drawn), divided by temperature, cut by top-k and top-p with
-tensor ops; the draw is argmax(p / E) with E ~ Exp(1) i.i.d., an exact draw from p (the
-exponential race, i.e. Gumbel-max) that, unlike torch.multinomial, needs no host sync. E is drawn
+tensor ops; the draw is argmax(p / E) = argmax(logits - log E) with E ~ Exp(1) i.i.d., an exact
+draw from p (the exponential race, i.e. Gumbel-max) that, unlike torch.multinomial, needs no
+host sync and, without top-p, no softmax. E is drawn
 outside the graph from the caller's generator, one (B, vocab_size) fp32 tensor per token in every
 mode: a generator state gives the same tokens in every mode, up to the rounding of the logits.
 """
@@ -48,6 +49,10 @@ LEN_MULTIPLE = 128  # cache lengths are rounded up to this: fewer distinct graph
 # cuDNN attention builds a plan per new key length (~50 ms each on an H200, torch 2.11), and
 # prefill and recompute lengths vary; flash / mem-efficient kernels need no plan.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# A decoding step attends to all max_len keys of the static cache, one length per Decoder, so
+# one plan: there cuDNN's kernel goes first (4x the mem-efficient one's speed at 1558M, batch 1:
+# bench/RESULTS.md §3).
+_STEP_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *_SDPA_BACKENDS]
 
 
 @torch.no_grad()
@@ -137,9 +142,9 @@ def sample(logits, temperature, top_k, top_p, noise):
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature
     if top_k is not None and top_k < logits.size(-1):
-        # [:, -1:], not [:, [-1]]: a list index is copied to the GPU (a host sync, and illegal
-        # inside a graph capture)
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        # the k-th largest logit: the minimum of an unsorted top-k (sorting the k ids would
+        # cost as much again on a GPU)
+        kth = torch.topk(logits, top_k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
@@ -148,8 +153,11 @@ def sample(logits, temperature, top_k, top_p, noise):
         drop = probs.cumsum(dim=-1) - probs >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    # argmax(p / E), E ~ Exp(1): an exact draw from p (the exponential race)
-    return (F.softmax(logits, dim=-1) / noise).argmax(dim=-1, keepdim=True)
+    # argmax(p / E), E ~ Exp(1): an exact draw from p (the exponential race); in logs,
+    # argmax(logits - log E) (Gumbel-max), which needs no softmax. The clamp keeps a removed id
+    # at -inf where E == 0 (-inf - log 0 would be NaN, and argmax takes NaN for the maximum).
+    gumbel = -noise.log().clamp_min(torch.finfo(noise.dtype).min)
+    return (logits + gumbel).argmax(dim=-1, keepdim=True)
 
 
 def _mode(decode, device, top_p=None):
@@ -214,7 +222,8 @@ def _step(model, cache, tok, noise, temperature, top_k, top_p):
     """Decode tok (B, 1) at cache.pos and replace it with the next token; the cache advances.
     Reads and writes only these buffers (and the weights): the unit that is graphed."""
     cache.mask.index_fill_(-1, cache.pos, 0.0)  # the new token's key becomes visible
-    logits = model._decode(tok, cache.pos, cache)
+    with sdpa_kernel(_STEP_BACKENDS, set_priority=True):
+        logits = model._decode(tok, cache.pos, cache)
     cache.pos.add_(1)
     tok.copy_(sample(logits, temperature, top_k, top_p, noise))
 

@@ -136,6 +136,18 @@ def test_sampling_filters():
     torch.testing.assert_close(cold, probs[0] ** 4 / (probs[0] ** 4).sum(), atol=0.03, rtol=0)
 
 
+def test_sampling_zero_noise_never_picks_a_removed_id():
+    """E == 0 in the Exp(1) noise (possible for a CPU draw) at an id that top-k removed: the draw
+    stays among the kept ids (p / E was 0 / 0 = NaN there, and argmax takes NaN for the max)."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).repeat(3, 1)
+    noise = torch.ones(3, 4)
+    noise[:, 3] = 0.0  # the least likely id, removed by top_k=2
+    noise[1, 0] = 0.0  # a kept id with E == 0 is certain to be drawn
+    ids = sample(logits, 1.0, 2, None, noise)[:, 0]
+    assert ids.tolist() == [0, 0, 0]
+    assert sample(logits, 1.0, 2, 0.9, noise)[:, 0].tolist() == [0, 0, 0]
+
+
 @pytest.mark.parametrize(
     "kw,match",
     [({"temperature": -1}, "temperature"), ({"top_k": 0}, "top_k"), ({"top_p": 0.0}, "top_p"),
