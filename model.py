@@ -21,6 +21,7 @@ from torch import nn
 
 import generate
 from fused_loss import cublaslt, fused_linear_cross_entropy, linear_cross_entropy_reference
+from fused_loss.gemv import linear
 from fused_loss.mlp import mlp_cublaslt, mlp_reference
 
 # name -> (n_layer, n_head, n_embd); block size 1024, vocab 50257 for all of them.
@@ -97,6 +98,12 @@ class GPTConfig:
         return cls(**{"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, **overrides})
 
 
+def _decode_linear(module, x, gelu=False):
+    """module(x) (then GPT-2's GELU) in a decoding step: the batch-1 GEMV where it applies
+    (fused_loss/gemv.py: one row in bf16/fp16 on CUDA, eager), else F.linear."""
+    return linear(x, module.weight, module.bias, gelu)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -109,7 +116,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cache=None, layer=0):
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        qkv = self.c_attn(x) if cache is None else _decode_linear(self.c_attn, x)
+        q, k, v = qkv.split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
@@ -127,7 +135,8 @@ class CausalSelfAttention(nn.Module):
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        y = self.c_proj(y) if cache is None else _decode_linear(self.c_proj, y)
+        return self.resid_dropout(y)
 
 
 class MLP(nn.Module):
@@ -142,7 +151,10 @@ class MLP(nn.Module):
             config.mlp_impl == "fast" and torch.cuda.is_available() and cublaslt.available()
         )
 
-    def forward(self, x):
+    def forward(self, x, decode=False):
+        if decode:  # a decoding step (model._decode)
+            h = _decode_linear(self.c_fc, x, gelu=True)
+            return self.dropout(_decode_linear(self.c_proj, h))
         w = (self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias)
         # mlp_cublaslt: None where it does not apply (CPU, fp32 matmuls)
         out = mlp_cublaslt(x, *w) if self.use_cublaslt else None
@@ -159,7 +171,7 @@ class Block(nn.Module):
 
     def forward(self, x, cache=None, layer=0):
         x = x + self.attn(self.ln_1(x), cache, layer)
-        return x + self.mlp(self.ln_2(x))
+        return x + self.mlp(self.ln_2(x), decode=cache is not None)
 
 
 class GPT(nn.Module):
@@ -275,7 +287,7 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache, i)
         x = self.transformer.ln_f(x[:, -1, :])
-        return self.lm_head(x)[:, : self.config.vocab_size].float()
+        return _decode_linear(self.lm_head, x)[:, : self.config.vocab_size].float()
 
     def generate(
         self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None, **kw
