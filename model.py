@@ -287,7 +287,8 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache, i)
         x = self.transformer.ln_f(x[:, -1, :])
-        return _decode_linear(self.lm_head, x)[:, : self.config.vocab_size].float()
+        # the classifier stays with cuBLAS: faster than the GEMV at 50304 rows (RESULTS §3)
+        return self.lm_head(x)[:, : self.config.vocab_size].float()
 
     def generate(
         self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None, **kw

@@ -4,17 +4,18 @@
     act: identity, or GPT-2's tanh GELU: y * sigmoid(2 sqrt(2/pi) (y + 0.044715 y^3))
 
 At batch 1 a step is bound by reading the weights once (124M: 0.25 GB, 1558M: 3.1 GB in bf16),
-and cuBLAS's kernels for a one-row matmul read GPT-2's at 0.75-2.5 TB/s on an H200 (bench/
-RESULTS.md §3), well below the ~4.8 TB/s of its memory. Here each program reads BLOCK_N whole
-rows of W in BLOCK_K-wide 16-byte loads, multiplies them by x in fp32 into a (BLOCK_N, BLOCK_K)
-accumulator and reduces it once at the end; BLOCK_N is chosen so that there are at least two
-programs per SM. The bias and the GELU act on the fp32 sum, which is rounded once (cuBLAS rounds
-before its GELU epilogue: the same to a bf16 rounding).
+and cuBLAS's kernels for a one-row matmul read the blocks' weights at 0.5-2.5 TB/s on an H200,
+well below the ~4.8 TB/s of its memory; this kernel is 1.2-2.3x faster there (bench/RESULTS.md
+§3; the classifier's 50304 rows stay with cuBLAS, which is faster at that size). Each program
+reads BLOCK_N whole rows of W in BLOCK_K-wide 16-byte loads, multiplies them by x in fp32 into
+a (BLOCK_N, BLOCK_K) accumulator and reduces it once at the end; BLOCK_N is chosen so that
+there are at least two programs per SM. The bias and the GELU act on the fp32 sum, which is
+rounded once (cuBLAS rounds before its GELU epilogue: the same to a bf16 rounding).
 
 linear() is what model.py calls: the GEMV where it applies (CUDA, one row, no autograd, x and W
-in one 16-bit dtype, not under torch.compile, whose Inductor fuses on its own), else F.linear
-and F.gelu. gemv() runs the kernel on any device (the Triton interpreter on CPU, for tests);
-gemv_reference() is the same math in torch.
+in one 16-bit dtype; inside a compiled decoding step too, as an opaque custom op), else
+F.linear and F.gelu. gemv() runs the kernel on any device (the Triton interpreter on CPU, for
+tests); gemv_reference() is the same math in torch.
 """
 
 import torch
@@ -77,7 +78,18 @@ def gemv(x, w, b=None, gelu=False, out_dtype=None):
     n, k = w.shape
     if x.numel() != k or not w.is_contiguous() or x.dtype != w.dtype:
         raise ValueError(f"gemv: one row of {k} in w's dtype {w.dtype} and a contiguous w needed")
-    y = torch.empty(n, dtype=out_dtype or x.dtype, device=x.device)
+    y = _gemv_op(x.reshape(k), w, b, gelu, out_dtype or x.dtype)
+    return y.view(*x.shape[:-1], n)
+
+
+# An opaque op to torch.compile: a compiled decoding step keeps the kernel (Inductor would use
+# cuBLAS for the matmul) and fuses the LayerNorms and residual adds around it.
+@torch.library.custom_op("fused_loss::gemv", mutates_args=())
+def _gemv_op(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, gelu: bool, out_dtype: torch.dtype
+) -> torch.Tensor:
+    n, k = w.shape
+    y = torch.empty(n, dtype=out_dtype, device=x.device)
     block_n = _block_n(n, x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x.contiguous(),
@@ -93,7 +105,12 @@ def gemv(x, w, b=None, gelu=False, out_dtype=None):
         INTERPRETED=x.device.type != "cuda",
         num_warps=NUM_WARPS,
     )
-    return y.view(*x.shape[:-1], n)
+    return y
+
+
+@_gemv_op.register_fake
+def _(x, w, b, gelu, out_dtype):
+    return x.new_empty(w.shape[0], dtype=out_dtype)
 
 
 def gemv_reference(x, w, b=None, gelu=False, out_dtype=None):
@@ -104,11 +121,10 @@ def gemv_reference(x, w, b=None, gelu=False, out_dtype=None):
 
 
 def applies(x, w):
-    """Whether linear() takes the GEMV: one row on CUDA in w's 16-bit dtype, no autograd, eager.
-    torch.compiler.is_compiling() comes first, so that a traced forward never reads the rest."""
+    """Whether linear() takes the GEMV: one row on CUDA in w's 16-bit dtype, no autograd (the
+    kernel has no backward). Reads only metadata and the grad mode: Dynamo traces it."""
     return (
-        not torch.compiler.is_compiling()
-        and x.is_cuda
+        x.is_cuda
         and not torch.is_grad_enabled()
         and x.dtype == w.dtype
         and x.dtype in (torch.bfloat16, torch.float16)
