@@ -29,9 +29,9 @@ Sampling: logits of the vocab_size real tokens only (the padded classifier colum
 off, so no id >= vocab_size can be drawn), divided by temperature, cut by top-k and top-p with
 tensor ops; the draw is argmax(p / E) = argmax(logits - log E) with E ~ Exp(1) i.i.d., an exact
 draw from p (the exponential race, i.e. Gumbel-max) that, unlike torch.multinomial, needs no
-host sync and, without top-p, no softmax. E is drawn
-outside the graph from the caller's generator, one (B, vocab_size) fp32 tensor per token in every
-mode: a generator state gives the same tokens in every mode, up to the rounding of the logits.
+host sync and, without top-p, no softmax. E is drawn outside the graph from the caller's
+generator, one (B, vocab_size) fp32 tensor per token in every mode: a generator state gives the
+same tokens in every mode, up to the rounding of the logits.
 """
 
 import contextlib

@@ -100,7 +100,7 @@ class GPTConfig:
 
 def _decode_linear(module, x, gelu=False):
     """module(x) (then GPT-2's GELU) in a decoding step: the batch-1 GEMV where it applies
-    (fused_loss/gemv.py: one row in bf16/fp16 on CUDA, eager), else F.linear."""
+    (fused_loss/gemv.py: one row in bf16/fp16 on CUDA, no autograd), else F.linear."""
     return linear(x, module.weight, module.bias, gelu)
 
 

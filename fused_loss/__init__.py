@@ -8,6 +8,7 @@
     cublaslt.py              a ctypes binding of cuBLASLt matmuls with epilogues
     mlp.py                   the MLP with its GELU in cuBLASLt GEMM epilogues (model.py)
     adamw.py                 AdamW over all parameters in one Triton launch (optim.py)
+    gemv.py                  a decoding step's linear layers at batch 1 (model.py, generate.py)
 
 On CPU the kernels run under the Triton interpreter when TRITON_INTERPRET=1, else the torch path.
 """

@@ -1,4 +1,4 @@
-"""The fused loss's Triton kernels compile for Hopper (sm_90) on any machine, GPU or not.
+"""The Triton kernels compile for Hopper (sm_90) on any machine, GPU or not.
 
 The Triton wheel ships ptxas, so a CPU-only CI can run the real compiler down to a cubin. That
 catches what the interpreter lets through (a kernel reading a plain Python global, say, which the
@@ -28,7 +28,7 @@ ROW_ARGS = ["z_ptr", "y_ptr", "g_ptr", "loss_ptr"]
 ROW_INTS = ["n_rows", "V", "vocab_size", "mask_cols", "stride_z", "ignore_index"]
 # As a launch at the 124M shape specialises them: pointers 16-byte aligned, V = 50304, D = 768
 # and the row stride divisible by 16; vocab_size = mask_cols = 50257 and n_rows not.
-DIV16 = {"V", "D", "stride_z", "numel"}
+DIV16 = {"V", "D", "stride_z", "numel", "K"}
 
 
 def build(fn, sig, consts, num_warps):
@@ -68,6 +68,11 @@ for src in ("fp32", "bf16"):
 for dt in ("bf16", "fp32"):
     sig = {"src_ptr": f"*{dt}", "g_ptr": "*fp32", "dst_ptr": f"*{dt}", "numel": "i32"}
     out[f"scale {dt}"] = build(kernels._scale_kernel, sig, dict(BLOCK=4096, INTERPRETED=False), 4)
+from fused_loss import gemv
+for gelu in (False, True):  # the decoding GEMV (K = 768 ... 6400 are multiples of 16)
+    sig = {f"{n}_ptr": "*bf16" for n in "xwby"} | {"N": "i32", "K": "i32"}
+    consts = dict(HAS_BIAS=True, GELU=gelu, BLOCK_N=16, BLOCK_K=gemv.BLOCK_K, INTERPRETED=False)
+    out[f"gemv bf16 gelu={gelu}"] = build(gemv._gemv_kernel, sig, consts, gemv.NUM_WARPS)
 print(json.dumps(out))
 """
 
@@ -95,8 +100,10 @@ def _compile_for_sm90(script):
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="this Triton has no NVIDIA backend")
 def test_kernels_compile_for_sm90_with_vectorised_logit_loads():
     loads = _compile_for_sm90(SCRIPT)
-    assert len(loads) == 14
+    assert len(loads) == 16
     for name, (v4, b16) in loads.items():
+        if name.startswith("gemv"):  # the weight rows: 16-byte loads
+            assert v4 >= 1, (name, v4, b16)
         if name.startswith(("softmax_grad bf16", "exp_rows bf16")):
             # every pass over a row of bf16 logits: 8-wide loads, no 16-bit scalar ones left
             # beyond a couple of single-element reads (the target's logit)
