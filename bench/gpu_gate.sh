@@ -6,13 +6,15 @@
 #
 # 1. every GPU test: pytest -m gpu tests/
 # 2. the throughput pair, train.py's defaults against the plain path (materialised logits, torch
-#    MLP, torch's fused AdamW, fp32 residual stream), 124M at micro-batch 32 (REPEATS runs of
-#    each, interleaved: medians and ratios) and 1558M at 16 (REPEATS_LARGE runs: a cold 1558M
-#    pair takes ~260 s, so three of them do not fit the device's 600 s a call with the rest)
+#    MLP, torch's fused AdamW, fp32 residual stream): 1558M at micro-batch 16 first
+#    (REPEATS_LARGE runs: a cold 1558M pair takes 260-310 s, so three of them do not fit the
+#    device's 600 s a call with the rest), then 124M at 32 (REPEATS runs of each, interleaved:
+#    medians and ratios). No run starts that would end past BUDGET seconds from the start (a
+#    slow machine loses 124M repeats, with a warning, rather than the call's whole table).
 # Then one short table. Exit status: pytest's, else throughput.py's. About 9 minutes on an H200.
 # Environment: PYTHON (default python3), REPEATS (3), REPEATS_LARGE (1), RUNS / RUNS_LARGE (the
-# model:batch[:steps:warmup] lists), GATE_COMMIT (the commit the table names, when the copy has no
-# .git), WORKERS (pytest-xdist processes for the tests when it is installed, default 4).
+# model:batch[:steps:warmup] lists), BUDGET (570), GATE_COMMIT (the commit the table names, when
+# the copy has no .git), WORKERS (pytest-xdist processes for the tests when installed, default 4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-out/gpu_gate}}  # the table and the JSON; the runs' logs stay in out/gpu_gate/
@@ -28,10 +30,12 @@ rc_tests=${PIPESTATUS[0]}
 tests_s=$(($(date +%s) - start))
 
 rc_speed=0
-for pair in "${RUNS:-124M:32:30:10} ${REPEATS:-3}" "${RUNS_LARGE:-1558M:16:16:6} ${REPEATS_LARGE:-1}"; do
+for pair in "${RUNS_LARGE:-1558M:16:16:6} ${REPEATS_LARGE:-1}" "${RUNS:-124M:32:30:10} ${REPEATS:-3}"; do
     read -r runs repeats <<<"$pair"
     [ -z "$runs" ] && continue
+    left=$((${BUDGET:-570} - ($(date +%s) - start)))
     $py bench/throughput.py --runs "$runs" --impls default,plain --repeats "$repeats" \
+        --time-budget "$((left > 1 ? left : 1))" \
         --out "out/gpu_gate/${runs%%:*}" 2>&1 | tee -a "$out/gate_throughput.txt"
     rc=${PIPESTATUS[0]}
     [ "$rc" -ne 0 ] && rc_speed=$rc

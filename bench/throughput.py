@@ -3,7 +3,7 @@ the plain one, or other loss implementations and train.py arguments.
 
     python bench/throughput.py [--runs 124M:32,124M:64,350M:32,1558M:16:20:8]
         [--impls default,plain] [--repeats 3] [--steps 30] [--warmup 10] [--out DIR]
-        [--profile 124M:32] [--max-batch auto]
+        [--profile 124M:32] [--max-batch auto] [--time-budget 400]
         [--train-args= --train-args="--compile_mode='reduce-overhead'" ...]
 
 --impls names configurations (IMPLS): "default" (train.py's defaults), "plain" (every fast path
@@ -185,6 +185,13 @@ def max_batch_candidates(runs, impl, capacity_gib=None):
     return [int(pred * f) // 8 * 8 for f in (0.95, 0.85)]
 
 
+def past_budget(runs, model, start, args):
+    """Whether a run of model, as long as the longest finished one of that model (0 s when none
+    has), would end more than args.time_budget seconds after start."""
+    longest = max([r.get("wall_s", 0) for r in runs if r["model"] == model], default=0)
+    return time.time() - start + longest > args.time_budget
+
+
 def summarise(runs):
     """One row per (model, batch, impl, train args): the median over its repeats, and the ratio
     of its median tok/s to the "plain" impl's of the same model, batch and train args."""
@@ -246,6 +253,13 @@ def main():
         "Give it with '=' since the value starts with '--': "
         "--train-args=\"--compile_mode='reduce-overhead'\" (and --train-args= for the plain run)",
     )
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=0,
+        help="seconds: start no run that a finished run of the same model says would end past "
+        "this, counted from the start (0: no limit); the table reports the runs that ran",
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/throughput"))
@@ -266,12 +280,16 @@ def main():
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
 
+    start, skipped = time.time(), []
     specs = [s for s in args.runs.split(",") if s]
     for spec, rep in [(s, r) for s in specs for r in range(args.repeats)]:
         model, batch, steps, warmup = (spec.split(":") + [args.steps, args.warmup])[:4]
         for impl in args.impls.split(","):
             for k, extra in enumerate(args.train_args or [""]):
                 name = f"{model}_b{batch}_{impl}" + (f"_v{k}" if extra else "") + f"_r{rep}"
+                if args.time_budget and past_budget(results["runs"], model, start, args):
+                    skipped.append(name)
+                    continue
                 out_dir = os.path.join(work, name)
                 subprocess.run(["rm", "-rf", out_dir])
                 cli = train_args(model, int(batch), impl, int(steps), dataset, out_dir)
@@ -315,6 +333,8 @@ def main():
                 break
 
     print_table(results["runs"])
+    if skipped:
+        print(f"WARNING: {len(skipped)} runs not started, past --time-budget: {', '.join(skipped)}")
     for r in first_loss_outliers(results["runs"]):
         print(
             f"WARNING: {r['model']} b{r['batch']} {r['impl']} {r.get('train_args', '')!r}: first "

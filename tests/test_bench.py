@@ -117,6 +117,21 @@ def test_throughput_summary_takes_medians_and_the_ratio_to_plain():
     assert throughput.train_args("124M", 32, "plain", 5, "d", "o")[-4:] == throughput.PLAIN
 
 
+def test_throughput_time_budget_skips_a_run_that_would_end_past_it():
+    """--time-budget: a run is not started when the longest finished run of its model, started
+    now, would end past the budget; a model with no finished run yet only needs time left."""
+    import time
+    from types import SimpleNamespace
+
+    runs = [dict(model="1558M", wall_s=150.0), dict(model="124M", wall_s=40.0)]
+    args = SimpleNamespace(time_budget=500.0)
+    now = time.time()
+    assert not throughput.past_budget(runs, "124M", now - 400, args)  # 400 + 40 <= 500
+    assert throughput.past_budget(runs, "1558M", now - 400, args)  # 400 + 150 > 500
+    assert not throughput.past_budget(runs, "350M", now - 499, args)  # none yet: 499 < 500
+    assert throughput.past_budget(runs, "350M", now - 501, args)
+
+
 def test_parity_reference_draws_random_windows_of_all_train_tokens(tmp_path):
     """RandomWindows: rows are T+1 consecutive tokens of the shards laid end to end, at offsets
     drawn with replacement over all of them; seeded per rank; its state continues the stream."""
