@@ -185,11 +185,11 @@ def max_batch_candidates(runs, impl, capacity_gib=None):
     return [int(pred * f) // 8 * 8 for f in (0.95, 0.85)]
 
 
-def past_budget(runs, model, start, args):
+def past_budget(runs, model, start, budget):
     """Whether a run of model, as long as the longest finished one of that model (0 s when none
-    has), would end more than args.time_budget seconds after start."""
+    has), would end more than budget seconds after start."""
     longest = max([r.get("wall_s", 0) for r in runs if r["model"] == model], default=0)
-    return time.time() - start + longest > args.time_budget
+    return time.time() - start + longest > budget
 
 
 def summarise(runs):
@@ -280,14 +280,14 @@ def main():
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
 
-    start, skipped = time.time(), []
+    start, skipped, budget = time.time(), [], args.time_budget
     specs = [s for s in args.runs.split(",") if s]
     for spec, rep in [(s, r) for s in specs for r in range(args.repeats)]:
         model, batch, steps, warmup = (spec.split(":") + [args.steps, args.warmup])[:4]
         for impl in args.impls.split(","):
             for k, extra in enumerate(args.train_args or [""]):
                 name = f"{model}_b{batch}_{impl}" + (f"_v{k}" if extra else "") + f"_r{rep}"
-                if args.time_budget and past_budget(results["runs"], model, start, args):
+                if budget and past_budget(results["runs"], model, start, budget):
                     skipped.append(name)
                     continue
                 out_dir = os.path.join(work, name)

@@ -121,15 +121,14 @@ def test_throughput_time_budget_skips_a_run_that_would_end_past_it():
     """--time-budget: a run is not started when the longest finished run of its model, started
     now, would end past the budget; a model with no finished run yet only needs time left."""
     import time
-    from types import SimpleNamespace
 
     runs = [dict(model="1558M", wall_s=150.0), dict(model="124M", wall_s=40.0)]
-    args = SimpleNamespace(time_budget=500.0)
+    budget = 500.0  # seconds
     now = time.time()
-    assert not throughput.past_budget(runs, "124M", now - 400, args)  # 400 + 40 <= 500
-    assert throughput.past_budget(runs, "1558M", now - 400, args)  # 400 + 150 > 500
-    assert not throughput.past_budget(runs, "350M", now - 499, args)  # none yet: 499 < 500
-    assert throughput.past_budget(runs, "350M", now - 501, args)
+    assert not throughput.past_budget(runs, "124M", now - 400, budget)  # 400 + 40 <= 500
+    assert throughput.past_budget(runs, "1558M", now - 400, budget)  # 400 + 150 > 500
+    assert not throughput.past_budget(runs, "350M", now - 499, budget)  # none yet: 499 < 500
+    assert throughput.past_budget(runs, "350M", now - 501, budget)
 
 
 def test_parity_reference_draws_random_windows_of_all_train_tokens(tmp_path):

@@ -52,7 +52,7 @@ def test_gemv_fp32_output_and_bad_input():
         gemv.gemv(torch.randn(1, 16), w)  # dtype mismatch
 
 
-def test_linear_falls_back_to_f_linear_off_cuda_and_with_autograd():
+def test_linear_falls_back_to_f_linear_off_cuda():
     x = torch.randn(1, 1, 32, dtype=torch.bfloat16)
     w = torch.randn(16, 32, dtype=torch.bfloat16)
     b = torch.randn(16, dtype=torch.bfloat16)
@@ -64,9 +64,7 @@ def test_linear_falls_back_to_f_linear_off_cuda_and_with_autograd():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(
-    "n,k", [(2304, 768), (768, 3072), (6400, 1600), (1600, 6400), (50304, 768)]
-)
+@pytest.mark.parametrize("n,k", [(2304, 768), (768, 3072), (6400, 1600), (1600, 6400)])
 def test_gpu_gemv_at_gpt2_shapes(n, k):
     for gelu in (False, True):
         _check("cuda", n, k, torch.bfloat16, True, gelu)
