@@ -3,14 +3,17 @@
 import math
 
 import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fused_loss.adamw import MultiTensorAdamW
 
 
-def build_optimizer(model, cfg, device):
-    """AdamW; weight decay only on >= 2-D tensors (matmul weights, embeddings), not on biases or
-    LayerNorm gains. On CUDA: MultiTensorAdamW (one Triton launch) for fp32 parameters unless
-    adamw_impl="torch", else torch's fused kernel. Both keep the same state (checkpoints move)."""
+def adamw_parts(model, cfg, device):
+    """(optimizer class, param groups, keyword arguments) of the run's AdamW: weight decay only on
+    >= 2-D tensors (matmul weights, embeddings), not on biases or LayerNorm gains. On CUDA:
+    MultiTensorAdamW (one Triton launch) for fp32 parameters unless adamw_impl="torch", else
+    torch's fused kernel. Both keep the same state (checkpoints move). sharding.py wraps the same
+    parts in ZeroRedundancyOptimizer."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -19,23 +22,43 @@ def build_optimizer(model, cfg, device):
     kw = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
     fp32 = all(p.dtype == torch.float32 for p in params)
     if device.type == "cuda" and cfg.adamw_impl == "fast" and fp32:
-        return MultiTensorAdamW(groups, **kw)
-    return torch.optim.AdamW(groups, **kw, fused=device.type == "cuda")
+        return MultiTensorAdamW, groups, kw
+    return torch.optim.AdamW, groups, dict(kw, fused=device.type == "cuda")
 
 
-def load_optimizer_state(optimizer, state):
-    """optimizer.load_state_dict(state), keeping the optimizer's own choice of kernel: a state
-    saved by MultiTensorAdamW carries no "fused"/"foreach" flags, and torch's AdamW would
-    otherwise take them from it (and drop to its slower per-tensor loop). A fused AdamW keeps
-    its step counters on the parameters' device (torch moves them only for fused states)."""
-    how = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for group, flags in zip(optimizer.param_groups, how, strict=True):
+def build_optimizer(model, cfg, device):
+    """The run's AdamW (adamw_parts)."""
+    cls, groups, kw = adamw_parts(model, cfg, device)
+    return cls(groups, **kw)
+
+
+def local_optimizer(optimizer):
+    """The optimizer that updates this rank's parameters: ZeroRedundancyOptimizer's own (this
+    rank's shard of them), else optimizer itself."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def load_optimizer_state(optimizer, state, load=None):
+    """load(state) (by default optimizer.load_state_dict), keeping the optimizer's own choice of
+    kernel: a state saved by MultiTensorAdamW carries no "fused"/"foreach" flags, and torch's
+    AdamW would otherwise take them from it (and drop to its slower per-tensor loop). A fused
+    AdamW keeps its step counters on the parameters' device (torch moves them only for fused
+    states). Under ZeroRedundancyOptimizer the flags and counters that matter are its local
+    optimizer's, which keeps this rank's part of the full state."""
+    local = local_optimizer(optimizer)
+    how = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in local.param_groups]
+    (load or optimizer.load_state_dict)(state)
+    if local is not optimizer:
+        # the wrapper also loaded this rank's part (on a GPU a second copy), which it never reads
+        optimizer.state.clear()
+        for group, flags in zip(optimizer.param_groups, how, strict=True):
+            group.update(flags)
+    for group, flags in zip(local.param_groups, how, strict=True):
         group.update(flags)
         for p in group["params"] if group.get("fused") else []:
-            if "step" in optimizer.state.get(p, {}):
-                step = optimizer.state[p]["step"]
-                optimizer.state[p]["step"] = step.to(dtype=torch.float32, device=p.device)
+            if "step" in local.state.get(p, {}):
+                step = local.state[p]["step"]
+                local.state[p]["step"] = step.to(dtype=torch.float32, device=p.device)
 
 
 def clipped_step(optimizer, params, max_norm):
@@ -48,11 +71,15 @@ def clipped_step(optimizer, params, max_norm):
     once for the norm and once by the update, instead of also being scaled in place in between
     (4 of 40 bytes per parameter fewer; bench/bench_adamw.py times both). The grads left behind
     are the clipped ones (MultiTensorAdamW leaves them unclipped: 4 bytes fewer again).
-    Non-fused optimizers (CPU) take the plain path."""
+    Non-fused optimizers (CPU) take the plain path. Under ZeroRedundancyOptimizer the grads are
+    whole on every rank (DDP all-reduced them), so the norm over params is the global one (its
+    local MultiTensorAdamW's total_norm would cover this rank's shard only); grad_scale goes to
+    the local optimizer, which runs the update."""
     params = list(params)
-    if isinstance(optimizer, MultiTensorAdamW):  # the same, the norm in one launch too
+    local = local_optimizer(optimizer)
+    if local is optimizer and isinstance(optimizer, MultiTensorAdamW):  # the norm in one launch
         norm = optimizer.total_norm()
-    elif all(group.get("fused") for group in optimizer.param_groups):
+    elif isinstance(local, MultiTensorAdamW) or all(g.get("fused") for g in local.param_groups):
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     else:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -60,7 +87,7 @@ def clipped_step(optimizer, params, max_norm):
         return norm
     # clip_grad_norm_ multiplies by min(max_norm / (norm + 1e-6), 1); the kernel divides by
     # the inverse (within an ulp of it; a non-finite norm poisons the step the same way)
-    optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+    local.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
     optimizer.step()
     return norm
 
