@@ -95,6 +95,8 @@ class TrainConfig:
     # "model": compile, then wrap in DDP (nanoGPT); "ddp": compile the DDP module, so Dynamo
     # splits the graph at gradient buckets and each all-reduce overlaps the backward
     ddp_compile: str = setting("model", '"model" or "ddp": which of DDP and compile wraps')
+    # under torchrun (sharding.py): "optimizer" is ZeRO-1, "full" is FSDP2 over the blocks
+    shard: str = setting("none", '"none" (DDP), "optimizer" (AdamW state) or "full" (FSDP2)')
     seed: int = setting(1337, "seed of the init, dropout and data order")
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed
+import sharding
 from checkpoint import (
     CheckpointError,
     list_checkpoints,
@@ -42,7 +43,7 @@ from errors import run_main
 from loop import LogError, RunLog, StepLog, StepStats, StopFlag, every, git_sha, triton_version
 from model import GPT, GPTConfig
 from model_io import checkpoint_settings
-from optim import build_optimizer, clipped_step, get_lr, load_optimizer_state
+from optim import get_lr
 
 # what --resume reads from a checkpoint (save() writes these and more)
 RESUME_KEYS = ("model", "model_config", "optimizer", "step", "loader", "rng")
@@ -95,8 +96,7 @@ def resume(cfg, path, ckpt, model_config, raw_model, optimizer, loader, procs, n
             f"model config differs from {path}'s in {differ}"
             + (f"; to resume it, pass {fix}" if fix else "")
         )
-    raw_model.load_state_dict(ckpt["model"])
-    load_optimizer_state(optimizer, ckpt["optimizer"])
+    sharding.load_state(raw_model, optimizer, ckpt, cfg.shard)  # each rank keeps its part
     note = loader.load_state_dict(ckpt["loader"])  # one position for all ranks, any W
     step = ckpt["step"]
     notes.append(f"resumed from {path} at step {step}")
@@ -156,13 +156,14 @@ def save(step, val_loss, cfg, raw_model, model_config, optimizer, loader, procs,
     if procs.ddp:
         rngs = [None] * procs.world_size
         dist.all_gather_object(rngs, rng_state(procs.device))
+    model, state = sharding.full_state(raw_model, optimizer, cfg.shard, procs.master)
     if not procs.master:
         return
     ckpt = {
-        "model": raw_model.state_dict(),
+        "model": model,
         "model_config": asdict(model_config),
         "train_config": asdict(cfg),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": state,
         "step": step,
         "loader": loader.state_dict(),  # the same on every rank
         "rng": {k: [r[k] for r in rngs] for k in rngs[0]},  # lists by rank
@@ -189,13 +190,17 @@ def sample_text(raw_model, autocast, cfg, step):
 
 def compile_and_wrap(raw_model, cfg, procs, use_compile):
     """(model, train_model): the (compiled) model that evaluates, and the one that trains (in
-    DDP under torchrun). ddp_compile="ddp" compiles the DDP module: one module for both."""
+    DDP under torchrun). ddp_compile="ddp" compiles the DDP module: one module for both. Under
+    shard="full" raw_model is FSDP2's already (sharding.shard_model): no DDP."""
     # gradients as views into DDP's all-reduce buckets: one copy of them, not two
     wrap = functools.partial(
         DDP,
         device_ids=[procs.device.index] if procs.device.type == "cuda" else None,
         gradient_as_bucket_view=True,
     )
+    if cfg.shard == "full":
+        model = torch.compile(raw_model, mode=cfg.compile_mode) if use_compile else raw_model
+        return model, model
     if procs.ddp and use_compile and cfg.ddp_compile == "ddp":
         model = torch.compile(wrap(raw_model), mode=cfg.compile_mode)
         return model, model
@@ -247,12 +252,12 @@ def train_step(step, lr, models, optimizer, loader, cfg, procs, autocast, grad_a
         except DataError as e:  # a later shard's token ids, checked as it is opened
             note = f"stopped at step {step} without saving; {newest_note(cfg.out_dir)}"
             raise DataError(f"{e}; {note}") from e
-        sync = not ddp or micro == grad_accum - 1  # all-reduce grads once per step
+        sync = not ddp or micro == grad_accum - 1  # reduce grads once per step
         checking = check and micro == 0
         if checking:  # eager first: no activations held yet
             with torch.no_grad(), autocast:
                 eager_loss = raw_model(x, y)
-        with contextlib.nullcontext() if sync else train_model.no_sync(), autocast:
+        with sharding.micro_step(train_model, raw_model, cfg.shard, sync), autocast:
             loss = train_model(x, y) / grad_accum
         if checking:
             first_loss = loss.detach() * grad_accum
@@ -261,7 +266,7 @@ def train_step(step, lr, models, optimizer, loader, cfg, procs, autocast, grad_a
     if check:  # before the update: a wrong graph must not touch the weights
         check_training_step(first_loss, eager_loss, ddp, step)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    norm = clipped_step(optimizer, raw_model.parameters(), max_norm)
+    norm = sharding.step(optimizer, raw_model, cfg.shard, max_norm)
     optimizer.zero_grad(set_to_none=True)
     # torch.full, not torch.tensor: a host-to-device copy of a Python number would sync
     stats = torch.stack([loss_sum, torch.full((), float(stop.requested), device=device)])
@@ -288,6 +293,7 @@ def main(argv=None, train_loader=DataLoader):
     run_log, stop, finished = RunLog(), StopFlag(), False
     compile_settings = contextlib.ExitStack()  # Inductor's global settings, for this run only
     try:
+        notes = sharding.check(cfg, procs)  # a combination that does not run stops here
         # --- set-up: data, model, optimizer, the newest checkpoint when resuming
         T = cfg.block_size
         grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
@@ -312,8 +318,9 @@ def main(argv=None, train_loader=DataLoader):
             raise ConfigError(f"model settings: {e}") from None
         with torch.device(device):  # initialised where it runs: 1558M on a CPU takes seconds
             raw_model = GPT(model_config)
-        optimizer = build_optimizer(raw_model, cfg, device)
-        start_step, ckpts, notes = 0, list_checkpoints(cfg.out_dir), []
+        sharding.shard_model(raw_model, cfg.shard)  # FSDP2 under shard="full", in place
+        optimizer = sharding.make_optimizer(raw_model, cfg, device)
+        start_step, ckpts = 0, list_checkpoints(cfg.out_dir)
         if train_loader is not DataLoader:
             notes.append(f"train batches from {train_loader.__name__}, not data.loader.DataLoader")
         if ckpts and not cfg.resume:
@@ -384,7 +391,8 @@ def main(argv=None, train_loader=DataLoader):
                 print0(f"step {step:6d}/{cfg.max_steps} | {msg}")
                 run_log.write(rec)
                 check_now = check_training
-            if procs.master and fresh and step > 0 and every(step, cfg.sample_interval):
+            sample = every(step, cfg.sample_interval) and cfg.shard != "full"
+            if procs.master and fresh and step > 0 and sample:
                 print0(f"sample at step {step}: {sample_text(raw_model, autocast, cfg, step)!r}")
             if fresh and step > 0 and (last_step or stop_all or every(step, cfg.ckpt_interval)):
                 parts = (cfg, raw_model, model_config, optimizer, loader, procs, print0)
@@ -398,6 +406,7 @@ def main(argv=None, train_loader=DataLoader):
             stop_all = steps.push(st) or stop_all  # this step is queued: read the previous one
 
         # --- teardown
+        sharding.report_state(optimizer, procs, print0)
         if device.type == "cuda":
             gib = torch.cuda.max_memory_allocated(device) / 2**30
             print0(f"peak GPU memory allocated: {gib:.2f} GiB" + (" (rank 0)" if ddp else ""))

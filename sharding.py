@@ -1,0 +1,208 @@
+"""Sharded training state under torchrun (--shard), on torch's own engines.
+
+    none       DDP: every rank holds the fp32 weights, grads and both AdamW moments (16 B/param)
+    optimizer  ZeRO-1: DDP all-reduces the grads as before; torch's ZeroRedundancyOptimizer gives
+               each rank whole parameters (largest first, to the least loaded rank) whose AdamW
+               state and update it owns, then broadcasts each updated parameter from its owner:
+               4 + 4 + 8/W B/param
+    full       FSDP2: fully_shard on each Block, then on the root (wte = lm_head, wpe, ln_f);
+               weights, grads and AdamW state are DTensors split along dim 0: 16/W B/param, plus
+               the blocks' weights gathered one or two at a time, the root's through the step,
+               and with gradient accumulation the grads unsharded (4 B/param) until the last
+               micro-step reduce-scatters them
+
+The all-reduce of ZeRO-1 is DDP's unchanged (reduce-scatter would need FSDP2's ZeRO-2 layout;
+not measured on several GPUs). FSDP2 gathers the fp32 weights and autocast casts them at each
+matmul, as under DDP: a bf16 param_dtype would halve the gathers but change the numerics.
+
+Checkpoints are the same file in every mode: rank 0 writes the full model and torch's ordinary
+AdamW state dict (integer ids in param-group order), so each loads into any mode at any world
+size, in a single process and in sample.py.
+"""
+
+import contextlib
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from config import ConfigError
+from optim import adamw_parts, build_optimizer, clipped_step, load_optimizer_state
+
+MODES = ("none", "optimizer", "full")
+
+
+def check(cfg, procs):
+    """ConfigError for a combination that does not run; returns notes for the start-up report."""
+    if cfg.shard not in MODES:
+        raise ConfigError(f"config key 'shard': one of {MODES}, not {cfg.shard!r}")
+    if cfg.shard == "none":
+        return []
+    if not procs.ddp:
+        raise ConfigError(
+            f"shard={cfg.shard!r} needs a process group: run it under torchrun (one GPU: "
+            "torchrun --standalone --nproc_per_node=1 train.py ...)"
+        )
+    if cfg.shard == "optimizer":
+        return []
+    if procs.device.type == "cuda" and cfg.adamw_impl == "fast":
+        raise ConfigError(
+            "shard='full' with adamw_impl='fast': the Triton AdamW addresses plain tensors, "
+            "FSDP2's parameters are DTensor shards; pass --adamw_impl=torch (torch's fused AdamW)"
+        )
+    if cfg.hellaswag:
+        raise ConfigError(
+            "hellaswag=True with shard='full': an FSDP2 forward is collective and the ranks score "
+            "different numbers of examples; score a checkpoint with eval_hellaswag.py instead"
+        )
+    if cfg.ddp_compile == "ddp":
+        raise ConfigError("ddp_compile='ddp' with shard='full': FSDP2 has no DDP module to compile")
+    if cfg.sample_interval > 0:  # generate() reads the weights outside any FSDP2 forward
+        return ["shard='full': no samples during training (sample.py reads the checkpoints)"]
+    return []
+
+
+def shard_model(raw_model, shard):
+    """full: FSDP2 on each Block, then on the root model, in place (raw_model's parameters become
+    DTensor shards). The root holds wte, which is lm_head (one Parameter): its pre-forward gathers
+    it, so the loss inside GPT.forward reads the full, current weight. Other modes: nothing."""
+    if shard != "full":
+        return
+    # each rank initialised its own weights (seed + rank) and FSDP2 keeps the slice it finds:
+    # rank 0's go to every rank first, as DDP does when it wraps the model
+    for t in itertools.chain(raw_model.parameters(), raw_model.buffers()):
+        dist.broadcast(t.detach(), src=0)
+    blocks = raw_model.transformer.h
+    for i, block in enumerate(blocks):
+        # the last block's backward comes right after its forward: keep it gathered in between
+        fully_shard(block, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(raw_model)
+
+
+def make_optimizer(raw_model, cfg, device):
+    """optimizer: ZeroRedundancyOptimizer around the run's AdamW (the Triton one included: it sees
+    only this rank's parameters); otherwise the AdamW itself (DTensor parameters under FSDP2)."""
+    if cfg.shard != "optimizer":
+        return build_optimizer(raw_model, cfg, device)
+    cls, groups, kw = adamw_parts(raw_model, cfg, device)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kw)
+
+
+def micro_step(train_model, raw_model, shard, sync):
+    """The context of one micro-step's forward; sync: reduce the grads in this backward (the last
+    micro-step). DDP: no_sync() on the others. FSDP2 reads its flag in the backward, so it is set
+    here and stays until the next micro-step sets it (the grads accumulate unsharded meanwhile)."""
+    if shard == "full":
+        raw_model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if sync else train_model.no_sync()
+
+
+def step(optimizer, raw_model, shard, max_norm):
+    """Clip to max_norm by the global grad norm, update; returns that norm (a device scalar).
+    FSDP2: clip_grad_norm_ over the DTensor grads all-reduces the shards' squared sums; the
+    in-place clip reads only this rank's 1/W of the grads."""
+    if shard != "full":
+        return clipped_step(optimizer, raw_model.parameters(), max_norm)
+    norm = torch.nn.utils.clip_grad_norm_(list(raw_model.parameters()), max_norm)
+    optimizer.step()
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def full_state(raw_model, optimizer, shard, master):
+    """(model state dict, optimizer state dict) as a single process has them, on rank 0 (CPU
+    tensors under FSDP2); (None, None) elsewhere. Every rank must call it: it gathers."""
+    if shard == "optimizer":
+        optimizer.consolidate_state_dict(to=0)  # each rank's part to rank 0, in CPU memory
+        if not master:
+            return None, None
+        state = optimizer.state_dict()
+        optimizer._all_state_dicts = []  # that CPU copy: 8 B/param of host memory until the next
+        return raw_model.state_dict(), state
+    if shard == "full":
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = get_model_state_dict(raw_model, options=opts)
+        state = get_optimizer_state_dict(raw_model, optimizer, options=opts)
+        if not master:
+            return None, None
+        model["lm_head.weight"] = model["transformer.wte.weight"]  # tied: one tensor, saved once
+        return model, _by_index(state)
+    return (raw_model.state_dict(), optimizer.state_dict()) if master else (None, None)
+
+
+def load_state(raw_model, optimizer, ckpt, shard):
+    """Load a checkpoint's full model and optimizer state (any mode's, any world size); each rank
+    keeps its own part."""
+    if shard != "full":
+        raw_model.load_state_dict(ckpt["model"])
+        load_optimizer_state(optimizer, ckpt["optimizer"])  # ZeRO: this rank's part
+        return
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(raw_model, ckpt["model"], options=opts)
+    state = _by_name(ckpt["optimizer"], raw_model, optimizer)
+    load_optimizer_state(
+        optimizer,
+        state,
+        load=lambda s: set_optimizer_state_dict(raw_model, optimizer, s, options=opts),
+    )
+
+
+def _by_index(state):
+    """torch.distributed.checkpoint's optimizer state, keyed by parameter name, in torch's own
+    layout: ids 0, 1, ... in param-group order, as optimizer.state_dict() writes it."""
+    names = [n for g in state["param_groups"] for n in g["params"]]
+    return _rekeyed(state, {n: i for i, n in enumerate(names)})
+
+
+def _by_name(state, raw_model, optimizer):
+    """The inverse of _by_index for this optimizer: ids to the names of its parameters."""
+    name = {p: n for n, p in raw_model.named_parameters()}
+    return _rekeyed(
+        state, dict(enumerate(name[p] for g in optimizer.param_groups for p in g["params"]))
+    )
+
+
+def _rekeyed(state, key):
+    """An optimizer state dict with each parameter's key (id or name) mapped through `key`."""
+    groups = [dict(g, params=[key[k] for k in g["params"]]) for g in state["param_groups"]]
+    return {"state": {key[k]: s for k, s in state["state"].items()}, "param_groups": groups}
+
+
+def state_bytes(optimizer):
+    """Bytes of the tensors in this rank's optimizer state, each storage counted once: a
+    ZeroRedundancyOptimizer's local optimizer (and its own state, empty unless something kept a
+    copy there), the local shards of DTensors."""
+    states = [optimizer.state]
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        states.append(optimizer.optim.state)
+    seen, total = set(), 0
+    for per_param in (s for st in states for s in st.values() if s):
+        for v in per_param.values():
+            if not isinstance(v, torch.Tensor):
+                continue
+            t = v.to_local() if isinstance(v, DTensor) else v
+            if t.numel() and t.data_ptr() not in seen:  # MultiTensorAdamW shares one step
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+def report_state(optimizer, procs, print0):
+    """Print every rank's optimizer-state size, measured (after the run: AdamW makes its state
+    lazily)."""
+    mine, sizes = state_bytes(optimizer), [None] * procs.world_size
+    if procs.ddp:
+        dist.all_gather_object(sizes, mine)
+    else:
+        sizes = [mine]
+    print0("optimizer state by rank (bytes): " + " | ".join(f"{n:,}" for n in sizes))
