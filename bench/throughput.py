@@ -4,7 +4,7 @@ the plain one, or other loss implementations and train.py arguments.
     python bench/throughput.py [--runs 124M:32,124M:64,350M:32,1558M:16:20:8]
         [--impls default,plain] [--repeats 3] [--steps 30] [--warmup 10] [--out DIR]
         [--profile 124M:32] [--max-batch auto] [--time-budget 400]
-        [--train-args= --train-args="--compile_mode='reduce-overhead'" ...]
+        [--train-args= --train-args="--compile_mode='reduce-overhead'" ...] [--torchrun]
 
 --impls names configurations (IMPLS): "default" (train.py's defaults), "plain" (every fast path
 off: materialised logits, torch MLP, torch's fused AdamW, fp32 residual stream; the stand-in for
@@ -23,8 +23,9 @@ so. --profile runs one more (fused) training per --train-args variant, profiles 
 --max-batch auto tries the largest 124M micro-batch that the B = 32 and 64 runs predict to
 fit, per impl (or the impl:B list given), and reports whether it did. Each --train-args value
 (extra train.py arguments; an empty one is the plain run) makes a variant of every run,
-compared within one call of the script. Writes DIR/throughput.json and copies each run's
-log.jsonl into DIR.
+compared within one call of the script. --torchrun runs each training under `torchrun
+--standalone --nproc_per_node=1` (a world-size-1 process group: DDP, or --shard's modes;
+bench/shard_overhead.sh). Writes DIR/throughput.json and copies each run's log.jsonl into DIR.
 """
 
 import argparse
@@ -109,11 +110,22 @@ def train_args(model, batch, impl, steps, dataset, out_dir):
     ]
 
 
-def run_child(args, profile=False, timeout=900):
+def run_child(args, profile=False, timeout=900, torchrun=False):
     t0 = time.time()
+    cmd, env = [sys.executable, "-c", CHILD], None
+    if torchrun:  # torchrun runs files: CHILD as one, which imports from the repo
+        script = os.path.join(ROOT, "out", "throughput", "child.py")
+        os.makedirs(os.path.dirname(script), exist_ok=True)
+        with open(script, "w") as f:
+            f.write(CHILD)
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+        cmd = [sys.executable, *launcher, script]
+        path = os.environ.get("PYTHONPATH")
+        env = dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + path if path else ""))
     p = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(args), "1" if profile else "0"],
+        [*cmd, json.dumps(args), "1" if profile else "0"],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -127,6 +139,8 @@ def run_child(args, profile=False, timeout=900):
             res["profile_total_ms"] = float(line.split()[1])
         if line.startswith("PROFILE "):
             res["profile"] = json.loads(line[len("PROFILE ") :])
+        if line.startswith("optimizer state by rank (bytes): "):  # train.py's, measured
+            res["state_bytes"] = [int(n.replace(",", "")) for n in line.split(":")[1].split("|")]
     if p.returncode != 0:
         res["error"] = "\n".join(out.strip().splitlines()[-4:])[-600:]
         res["oom"] = "OutOfMemoryError" in out  # or something else that must be looked at
@@ -260,6 +274,7 @@ def main():
         help="seconds: start no run that a finished run of the same model says would end past "
         "this, counted from the start (0: no limit); the table reports the runs that ran",
     )
+    ap.add_argument("--torchrun", action="store_true", help="each run under torchrun, 1 process")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/throughput"))
@@ -294,7 +309,8 @@ def main():
                 subprocess.run(["rm", "-rf", out_dir])
                 cli = train_args(model, int(batch), impl, int(steps), dataset, out_dir)
                 cli += shlex.split(extra)
-                res = dict(model=model, batch=int(batch), impl=impl, **run_child(cli))
+                res = run_child(cli, torchrun=args.torchrun)
+                res = dict(model=model, batch=int(batch), impl=impl, **res)
                 res["train_args"], res["repeat"] = extra, rep
                 log = os.path.join(out_dir, "log.jsonl")
                 if res["rc"] == 0:

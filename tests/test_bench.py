@@ -173,3 +173,12 @@ def test_throughput_child_trains_and_skips_the_final_checkpoint(tiny_args, tmp_p
     assert not list(out.glob("ckpt_*.pt")) and (out / "no_checkpoint_in_benchmarks").exists()
     st = throughput.step_stats(str(out / "log.jsonl"), warmup=1)
     assert st["tok_per_s"] > 0 and st["loss_last"] < st["loss_first"]
+
+
+def test_throughput_child_under_torchrun_reports_the_optimizer_state(tiny_args, tmp_path):
+    """--torchrun (bench/shard_overhead.sh): the child under torchrun with one process, which
+    --shard needs; the optimizer-state bytes that train.py measured come back with the run."""
+    args = [*tiny_args, "--max_steps=2", "--eval_interval=0", "--sample_interval=0"]
+    res = throughput.run_child([*args, "--shard='full'", f"--out_dir={tmp_path}"], torchrun=True)
+    assert res["rc"] == 0, res.get("error")
+    assert res["state_bytes"][0] > 8 * 40_000  # two fp32 moments of ~42K parameters
