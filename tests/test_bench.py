@@ -13,6 +13,7 @@ import bench_fused_loss  # noqa: E402
 import numpy as np  # noqa: E402
 import parity  # noqa: E402
 import pytest  # noqa: E402
+import shard_memory  # noqa: E402
 import throughput  # noqa: E402
 import torch  # noqa: E402
 
@@ -182,3 +183,13 @@ def test_throughput_child_under_torchrun_reports_the_optimizer_state(tiny_args, 
     res = throughput.run_child([*args, "--shard='full'", f"--out_dir={tmp_path}"], torchrun=True)
     assert res["rc"] == 0, res.get("error")
     assert res["state_bytes"][0] > 8 * 40_000  # two fp32 moments of ~42K parameters
+
+
+def test_shard_memory_takes_each_engines_own_split():
+    """bench/shard_memory.py's per-rank counts (meta tensors, a fake group of 3 ranks): FSDP2
+    splits every dim 0 in 3 (only wpe's 1024 rows leave a remainder: 342, 342, 340); ZeRO-1
+    hands out whole tensors, so its largest rank is above N/3, by less than a block's share."""
+    n = sum(p.numel() for p in shard_memory.meta_model("gpt2").parameters())
+    zero, fsdp = shard_memory.largest_shares("gpt2", 3)
+    assert fsdp == (n - 1024 * 768) // 3 + 342 * 768
+    assert n / 3 <= zero < n / 3 + 768 * 768 * 4
