@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import generate
-from fused_loss import cublaslt, fused_linear_cross_entropy, linear_cross_entropy_reference
-from fused_loss.gemv import linear
+from fused_loss import cublaslt, fused_linear_cross_entropy, gemv, linear_cross_entropy_reference
 from fused_loss.mlp import mlp_cublaslt, mlp_reference
 
 # name -> (n_layer, n_head, n_embd); block size 1024, vocab 50257 for all of them.
@@ -98,12 +97,6 @@ class GPTConfig:
         return cls(**{"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, **overrides})
 
 
-def _decode_linear(module, x, gelu=False):
-    """module(x) (then GPT-2's GELU) in a decoding step: the batch-1 GEMV where it applies
-    (fused_loss/gemv.py: one row in bf16/fp16 on CUDA, no autograd), else F.linear."""
-    return linear(x, module.weight, module.bias, gelu)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -115,8 +108,12 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x, cache=None, layer=0):
-        B, T, C = x.size()
-        qkv = self.c_attn(x) if cache is None else _decode_linear(self.c_attn, x)
+        y = self.attend(self.c_attn(x), cache, layer)
+        return self.resid_dropout(self.c_proj(y))
+
+    def attend(self, qkv, cache=None, layer=0):
+        """Attention from c_attn's output qkv (B, T, 3C) to its output (B, T, C), before c_proj."""
+        B, T, C = qkv.size(0), qkv.size(1), self.n_embd
         q, k, v = qkv.split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
@@ -134,9 +131,7 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        y = self.c_proj(y) if cache is None else _decode_linear(self.c_proj, y)
-        return self.resid_dropout(y)
+        return y.transpose(1, 2).contiguous().view(B, T, C)
 
 
 class MLP(nn.Module):
@@ -152,12 +147,10 @@ class MLP(nn.Module):
         )
 
     def forward(self, x, decode=False):
-        if decode:  # a decoding step (model._decode)
-            h = _decode_linear(self.c_fc, x, gelu=True)
-            return self.dropout(_decode_linear(self.c_proj, h))
         w = (self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias)
-        # mlp_cublaslt: None where it does not apply (CPU, fp32 matmuls)
-        out = mlp_cublaslt(x, *w) if self.use_cublaslt else None
+        # mlp_cublaslt: None where it does not apply (CPU, fp32 matmuls); decoding (a prefill,
+        # or a step of several rows: model._decode) keeps torch's calls
+        out = mlp_cublaslt(x, *w) if self.use_cublaslt and not decode else None
         return self.dropout(mlp_reference(x, *w) if out is None else out)
 
 
@@ -170,8 +163,27 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cache=None, layer=0):
+        if cache is not None and not self.training and gemv.applies(x, self.attn.c_attn.weight):
+            return self._decode_row(x, cache, layer)
         x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x), decode=cache is not None)
+
+    def _decode_row(self, x, cache, layer):
+        """forward for a decoding step of one sequence (x (1, 1, C), bf16/fp16 on CUDA): four
+        GEMVs (fused_loss/gemv.py), the LayerNorms in the prologues of c_attn and c_fc, the
+        residual adds in the epilogues of the projections. Same math, fewer kernels: at batch 1
+        the small ones cost as much as reading the weights (bench/RESULTS.md §3)."""
+        attn, mlp = self.attn, self.mlp
+        qkv = gemv.gemv(x, attn.c_attn.weight, attn.c_attn.bias, ln=_ln_args(self.ln_1))
+        y = attn.attend(qkv, cache, layer)
+        x = gemv.gemv(y, attn.c_proj.weight, attn.c_proj.bias, residual=x)
+        h = gemv.gemv(x, mlp.c_fc.weight, mlp.c_fc.bias, gelu=True, ln=_ln_args(self.ln_2))
+        return gemv.gemv(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x)
+
+
+def _ln_args(ln):
+    """A LayerNorm as gemv's ln argument: (weight, bias or None, eps)."""
+    return ln.weight, ln.bias, ln.eps
 
 
 class GPT(nn.Module):
@@ -287,7 +299,7 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache, i)
         x = self.transformer.ln_f(x[:, -1, :])
-        # the classifier stays with cuBLAS: faster than the GEMV at 50304 rows (RESULTS §3)
+        # the classifier stays with cuBLAS: faster than a GEMV at 50304 rows (RESULTS §3)
         return self.lm_head(x)[:, : self.config.vocab_size].float()
 
     def generate(

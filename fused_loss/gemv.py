@@ -1,21 +1,28 @@
 """A decoding step's linear layers at batch 1: one row times the weight, read once.
 
-    y (N,) = act(W (N, K) @ x (K,) + b (N,))      W, x, b bf16 or fp16; y that dtype or fp32
-    act: identity, or GPT-2's tanh GELU: y * sigmoid(2 sqrt(2/pi) (y + 0.044715 y^3))
+    y (N,) = act(W (N, K) @ LN(x) (K,) + b (N,)) + r (N,)     W, x, b, r bf16 or fp16
+    LN: optional, the block's LayerNorm of x (fp32 statistics, its output rounded to x's dtype
+        as nn.LayerNorm's is); act: identity or GPT-2's tanh GELU,
+        y * sigmoid(2 sqrt(2/pi) (y + 0.044715 y^3)); r: optional, the residual stream
 
 At batch 1 a step is bound by reading the weights once (124M: 0.25 GB, 1558M: 3.1 GB in bf16),
-and cuBLAS's kernels for a one-row matmul read the blocks' weights at 0.5-2.5 TB/s on an H200,
-well below the ~4.8 TB/s of its memory; this kernel is 1.2-2.3x faster there (bench/RESULTS.md
-§3; the classifier's 50304 rows stay with cuBLAS, which is faster at that size). Each program
-reads BLOCK_N whole rows of W in BLOCK_K-wide 16-byte loads, multiplies them by x in fp32 into
-a (BLOCK_N, BLOCK_K) accumulator and reduces it once at the end; BLOCK_N is chosen so that
-there are at least two programs per SM. The bias and the GELU act on the fp32 sum, which is
-rounded once (cuBLAS rounds before its GELU epilogue: the same to a bf16 rounding).
+and a GPT-2 block's small kernels (LayerNorm, residual add, a launch gap each) cost as much as
+its weight reads. So a block is four calls of this kernel (model.Block): the LayerNorms in the
+prologue of c_attn and c_fc, the residual adds in the epilogue of the two projections, the bias
+and the GELU on the fp32 sum, rounded once (torch rounds the matmul and then the add: the same
+to a bf16 rounding). Timings: bench/RESULTS.md §3.
 
-linear() is what model.py calls: the GEMV where it applies (CUDA, one row, no autograd, x and W
-in one 16-bit dtype; inside a compiled decoding step too, as an opaque custom op), else
-F.linear and F.gelu. gemv() runs the kernel on any device (the Triton interpreter on CPU, for
-tests); gemv_reference() is the same math in torch.
+Each program loads BLOCK_N whole rows of W at once (K is a compile-time constant: one masked
+load of KP = next_power_of_2(K) columns, 16 bytes per thread and step), so all of a program's
+weight bytes are in flight together. On Hopper the kernel is launched as a programmatic
+dependent launch: the weights do not depend on the previous kernel, so a program issues their
+loads, lets the next kernel launch (gdc_launch_dependents) and only then waits for the previous
+kernel's output (gdc_wait) before it reads x and r. A following kernel that is not launched this
+way waits for this one to end, as always.
+
+model.Block takes this path where applies() holds (CUDA, one row, no autograd, x and W in one
+16-bit dtype); gemv() runs the kernel on any device (the Triton interpreter on CPU, for tests);
+gemv_reference() is the same math in torch.
 """
 
 import torch
@@ -25,103 +32,155 @@ import triton.language as tl
 
 from fused_loss.triton_kernels import _cast
 
-BLOCK_K = 512  # elements of a row per load step: 1 KB of bf16
+ELEMENTS = 8192  # weight elements a program loads (BLOCK_N rows of KP): 16 KB of bf16
 NUM_WARPS = 4
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,
+    x_ptr,  # (K,) the input row
+    w_ptr,  # (N, K) contiguous
+    b_ptr,  # (N,) bias, when HAS_BIAS
+    r_ptr,  # (N,) residual, when RESIDUAL
+    ln_w_ptr,  # (K,) LayerNorm weight, when LN
+    ln_b_ptr,  # (K,) LayerNorm bias, when LN_BIAS
+    y_ptr,  # (N,) out
     N,
-    K,
-    HAS_BIAS: tl.constexpr,
-    GELU: tl.constexpr,
+    eps,
+    K: tl.constexpr,
+    KP: tl.constexpr,  # next_power_of_2(K)
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    LN: tl.constexpr,
+    LN_BIAS: tl.constexpr,
+    GELU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # W is (N, K), contiguous
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < K
-        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
+    ks = tl.arange(0, KP)
+    k_ok = ks < K
+    w_tile = w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :]
+    w = tl.load(w_tile, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    if PDL:  # the weights are on their way: let the next kernel launch, then wait for x
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+    if LN:  # every program normalises the whole row (K elements from L2): no separate kernel
+        mean = tl.sum(x, axis=0) / K
+        d = tl.where(k_ok, x - mean, 0.0)
+        x = d * tl.rsqrt(tl.sum(d * d, axis=0) / K + eps)
+        x *= tl.load(ln_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if LN_BIAS:
+            x += tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        x = _cast(x, x_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)  # as nn.LayerNorm's
+    y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     if GELU:  # 0.5 (1 + tanh(u)) = sigmoid(2 u)
         y = y * tl.sigmoid(1.5957691216057308 * (y + 0.044715 * y * y * y))
+    if RESIDUAL:
+        y += tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, _cast(y, y_ptr.dtype.element_ty, INTERPRETED), mask=row_ok)
 
 
-def _block_n(n, device):
-    """Rows per program: the largest power of two in [2, 16] that leaves >= 2 programs per SM."""
+def block_n(n, k, device, elements=ELEMENTS):
+    """Rows per program: ELEMENTS weights (at least one row), halved while fewer than two
+    programs per SM would be left."""
     cuda = device.type == "cuda"
     sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 132
-    block = 16
-    while block > 2 and triton.cdiv(n, block) < 2 * sms:
+    block = max(1, elements // triton.next_power_of_2(k))
+    while block > 1 and triton.cdiv(n, block) < 2 * sms:
         block //= 2
     return block
 
 
-def gemv(x, w, b=None, gelu=False, out_dtype=None):
-    """act(x @ w.T + b) for x (..., K) holding one row; w (N, K) contiguous, b (N,) or None, in
-    x's dtype; returns (..., N) in out_dtype (default x's)."""
+def pdl(device):
+    """Programmatic dependent launch: CUDA on sm_90 and later (its PTX needs Hopper)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def gemv(x, w, b=None, *, gelu=False, ln=None, residual=None, out_dtype=None):
+    """act(LN(x) @ w.T + b) + residual for x (..., K) holding one row; w (N, K) contiguous, b,
+    residual (..., N) or None, ln (weight, bias or None, eps) or None, all in x's dtype; returns
+    (..., N) in out_dtype (default x's)."""
     n, k = w.shape
     if x.numel() != k or not w.is_contiguous() or x.dtype != w.dtype:
         raise ValueError(f"gemv: one row of {k} in w's dtype {w.dtype} and a contiguous w needed")
-    y = _gemv_op(x.reshape(k), w, b, gelu, out_dtype or x.dtype)
+    if residual is not None and residual.numel() != n:
+        raise ValueError(f"gemv: the residual needs {n} elements, got {tuple(residual.shape)}")
+    ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
+    r = None if residual is None else residual.reshape(n)
+    y = _gemv_op(x.reshape(k), w, b, r, ln_w, ln_b, eps, gelu, out_dtype or x.dtype)
     return y.view(*x.shape[:-1], n)
 
 
 # An opaque op to torch.compile: a compiled decoding step keeps the kernel (Inductor would use
-# cuBLAS for the matmul) and fuses the LayerNorms and residual adds around it.
+# cuBLAS for the matmul and its own LayerNorm) and fuses what is around it.
 @torch.library.custom_op("fused_loss::gemv", mutates_args=())
 def _gemv_op(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, gelu: bool, out_dtype: torch.dtype
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    r: torch.Tensor | None,
+    ln_w: torch.Tensor | None,
+    ln_b: torch.Tensor | None,
+    eps: float,
+    gelu: bool,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
+    return launch(x, w, b, r, ln_w, ln_b, eps, gelu, out_dtype)
+
+
+def launch(x, w, b, r, ln_w, ln_b, eps, gelu, out_dtype, elements=ELEMENTS, num_warps=NUM_WARPS,
+           use_pdl=None):  # fmt: skip
+    """The kernel's launch (bench/bench_gemv.py varies elements, num_warps and use_pdl)."""
     n, k = w.shape
     y = torch.empty(n, dtype=out_dtype, device=x.device)
-    block_n = _block_n(n, x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    bn = block_n(n, k, x.device, elements)
+    use_pdl = pdl(x.device) if use_pdl is None else use_pdl
+    _gemv_kernel[(triton.cdiv(n, bn),)](
         x.contiguous(),
         w,
-        w if b is None else b,  # a placeholder pointer when there is no bias
+        *(w if t is None else t.contiguous() for t in (b, r, ln_w, ln_b)),  # w: no such input
         y,
         n,
-        k,
+        eps,
+        K=k,
+        KP=triton.next_power_of_2(k),
+        BLOCK_N=bn,
         HAS_BIAS=b is not None,
+        LN=ln_w is not None,
+        LN_BIAS=ln_b is not None,
         GELU=gelu,
-        BLOCK_N=block_n,
-        BLOCK_K=BLOCK_K,
+        RESIDUAL=r is not None,
+        PDL=use_pdl,
         INTERPRETED=x.device.type != "cuda",
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
+        **(dict(launch_pdl=True) if use_pdl else {}),
     )
     return y
 
 
 @_gemv_op.register_fake
-def _(x, w, b, gelu, out_dtype):
+def _(x, w, b, r, ln_w, ln_b, eps, gelu, out_dtype):
     return x.new_empty(w.shape[0], dtype=out_dtype)
 
 
-def gemv_reference(x, w, b=None, gelu=False, out_dtype=None):
-    """The same in torch: F.linear (then GPT-2's tanh GELU), in out_dtype if given."""
+def gemv_reference(x, w, b=None, *, gelu=False, ln=None, residual=None, out_dtype=None):
+    """The same in torch: F.layer_norm, F.linear, GPT-2's tanh GELU, the residual add."""
+    if ln is not None:
+        x = F.layer_norm(x, x.shape[-1:], ln[0], ln[1], ln[2])
     y = F.linear(x, w, b)
     y = F.gelu(y, approximate="tanh") if gelu else y
+    y = y if residual is None else residual + y
     return y if out_dtype is None else y.to(out_dtype)
 
 
 def applies(x, w):
-    """Whether linear() takes the GEMV: one row on CUDA in w's 16-bit dtype, no autograd (the
+    """Whether the GEMV takes x @ w.T: one row on CUDA in w's 16-bit dtype, no autograd (the
     kernel has no backward). Reads only metadata and the grad mode: Dynamo traces it."""
     return (
         x.is_cuda
@@ -130,10 +189,3 @@ def applies(x, w):
         and x.dtype in (torch.bfloat16, torch.float16)
         and x.numel() == x.shape[-1]
     )
-
-
-def linear(x, w, b=None, gelu=False):
-    """F.linear(x, w, b) (then the tanh GELU), through the GEMV where it applies."""
-    if applies(x, w):
-        return gemv(x, w, b, gelu)
-    return gemv_reference(x, w, b, gelu)

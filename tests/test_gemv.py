@@ -1,45 +1,71 @@
-"""fused_loss/gemv.py: the batch-1 decoding GEMV (bias, GPT-2's GELU) against fp64 torch."""
+"""fused_loss/gemv.py: the batch-1 decoding GEMV (LayerNorm prologue, bias, GELU, residual add)
+against fp64 torch, alone and as model.Block's decoding step."""
 
 import pytest
 import torch
 
+import generate
 from fused_loss import gemv
 from model import GPT, GPTConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _check(device, n, k, dtype, bias, gelu, out_dtype=None):
-    """gemv's error against fp64 no worse than torch's own F.linear in dtype (+ a rounding)."""
-    g = torch.Generator().manual_seed(n + k)
-    x = torch.randn(1, 1, k, generator=g).to(device, dtype)
+def _inputs(device, n, k, dtype, bias, ln, residual, seed=0):
+    g = torch.Generator().manual_seed(n + k + seed)
+    x = (3 * torch.randn(1, 1, k, generator=g) + 1).to(device, dtype)  # LN must matter
     w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
     b = torch.randn(n, generator=g).to(device, dtype) if bias else None
-    ref = gemv.gemv_reference(x.double(), w.double(), None if b is None else b.double(), gelu).view(
-        n
-    )
-    got = gemv.gemv(x, w, b, gelu, out_dtype).view(n)
-    assert got.dtype == (out_dtype or dtype)
-    torch_err = (gemv.gemv_reference(x, w, b, gelu).view(n).double() - ref).abs().max()
+    lnp = None
+    if ln:
+        lnp = (1 + 0.5 * torch.randn(k, generator=g)).to(device, dtype)
+        lnp = (lnp, torch.randn(k, generator=g).to(device, dtype) if bias else None, 1e-5)
+    r = torch.randn(1, 1, n, generator=g).to(device, dtype) if residual else None
+    return x, w, b, lnp, r
+
+
+def _double(t):
+    if isinstance(t, tuple):
+        return tuple(_double(u) for u in t)
+    return t.double() if isinstance(t, torch.Tensor) else t
+
+
+def _check(device, n, k, dtype, bias, gelu, ln=False, residual=False, out_dtype=None):
+    """gemv's error against fp64 no worse than torch's own calls in dtype (+ a rounding)."""
+    x, w, b, lnp, r = _inputs(device, n, k, dtype, bias, ln, residual)
+    kw = dict(gelu=gelu)
+    ref = gemv.gemv_reference(*_double((x, w, b)), ln=_double(lnp), residual=_double(r), **kw)
+    got = gemv.gemv(x, w, b, ln=lnp, residual=r, out_dtype=out_dtype, **kw)
+    assert got.shape == (1, 1, n) and got.dtype == (out_dtype or dtype)
+    torch_err = (gemv.gemv_reference(x, w, b, ln=lnp, residual=r, **kw).double() - ref).abs()
     err = (got.double() - ref).abs().max()
     ulp = ref.abs().max() * torch.finfo(dtype).eps
-    assert err <= 1.2 * torch_err + ulp, (err, torch_err)
+    assert err <= 1.2 * torch_err.max() + ulp, (err, torch_err.max())
     return got
 
 
 @pytest.mark.parametrize(
-    "n,k,bias,gelu",
+    "n,k,bias,gelu,ln,residual",
     [
-        (37, 100, True, False),
-        (64, 1600, True, True),
-        (512, 48, False, False),
-        (96, 1100, True, True),
+        (37, 100, True, False, False, False),  # ragged N and K: the masks
+        (64, 1600, True, True, True, False),  # c_fc's kind: LN, bias, GELU; KP = 2048
+        (512, 48, False, False, True, True),  # LN without weights' bias, residual
+        (96, 1100, True, False, False, True),  # a projection's kind: bias and residual
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gemv_matches_fp64_under_the_interpreter(n, k, bias, gelu, dtype):
-    """Ragged N and K (masks), K over several BLOCK_K steps, with and without bias and GELU."""
-    _check("cpu", n, k, dtype, bias, gelu)
+def test_gemv_matches_fp64_under_the_interpreter(n, k, bias, gelu, ln, residual, dtype):
+    _check("cpu", n, k, dtype, bias, gelu, ln, residual)
+
+
+def test_gemv_fails_without_its_layer_norm_or_residual():
+    """The reference differs from the kernel's output once the LN or the residual is dropped:
+    the checks above can tell (the inputs are far from normalised, the residual is O(1))."""
+    x, w, b, lnp, r = _inputs("cpu", 64, 96, torch.bfloat16, True, True, True)
+    got = gemv.gemv(x, w, b, ln=lnp, residual=r).double()
+    for kw in (dict(ln=_double(lnp)), dict(residual=_double(r))):  # one of the two left out
+        other = gemv.gemv_reference(*_double((x, w, b)), **kw)
+        assert (got - other).abs().max() > 0.1
 
 
 def test_gemv_fp32_output_and_bad_input():
@@ -50,24 +76,62 @@ def test_gemv_fp32_output_and_bad_input():
         gemv.gemv(torch.randn(2, 16, dtype=torch.bfloat16), w)  # two rows
     with pytest.raises(ValueError, match="one row"):
         gemv.gemv(torch.randn(1, 16), w)  # dtype mismatch
+    with pytest.raises(ValueError, match="residual"):
+        gemv.gemv(torch.randn(1, 16, dtype=torch.bfloat16), w, residual=w[0, :4])
 
 
-def test_linear_falls_back_to_f_linear_off_cuda():
+def test_applies_only_to_one_row_on_cuda_without_grad():
     x = torch.randn(1, 1, 32, dtype=torch.bfloat16)
     w = torch.randn(16, 32, dtype=torch.bfloat16)
-    b = torch.randn(16, dtype=torch.bfloat16)
-    assert not gemv.applies(x, w)  # CPU
-    assert torch.equal(gemv.linear(x, w, b), torch.nn.functional.linear(x, w, b))
-    gelu = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b), approximate="tanh")
-    assert torch.equal(gemv.linear(x, w, b, gelu=True), gelu)
+    with torch.no_grad():
+        assert not gemv.applies(x, w)  # CPU
+    if torch.cuda.is_available():
+        xc, wc = x.cuda(), w.cuda()
+        with torch.no_grad():
+            assert gemv.applies(xc, wc)
+            assert not gemv.applies(xc.repeat(2, 1, 1), wc)  # two rows
+            assert not gemv.applies(xc.float(), wc.float())
+        assert not gemv.applies(xc, wc)  # grad enabled
+
+
+def test_block_decoding_step_matches_the_block_forward_under_the_interpreter():
+    """Block._decode_row (the four GEMVs with LN prologues and residual epilogues) against the
+    block's plain forward through the same cache, both against fp64: same math. n_embd 48: K is
+    no power of two (KP 64, 256 for the MLP's projection)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=48, block_size=16, vocab_size=64,
+                    padded_vocab_size=64)  # fmt: skip
+    model = GPT(cfg).eval()
+    block = model.transformer.h[0]
+    with torch.no_grad():  # LayerNorms that are not the identity
+        for ln in (block.ln_1, block.ln_2):
+            ln.weight.normal_(1, 0.3)
+            ln.bias.normal_(0, 0.3)
+    x = 2 * torch.randn(1, 1, 48) + 0.5
+
+    def step(blk, dtype, fused):
+        cache = generate.StaticKVCache(1, 1, 2, 24, 8, dtype, "cpu")
+        keys = torch.randn(1, 2, 5, 24, generator=torch.Generator().manual_seed(1))
+        cache.k[0][:, :, :5], cache.v[0][:, :, :5] = keys.to(dtype), (keys * 0.5).to(dtype)
+        cache.pos.fill_(5)
+        cache.mask[..., :6] = 0.0
+        with torch.no_grad():
+            fn = blk._decode_row if fused else blk.forward
+            return fn(x.to(dtype), cache, 0).double()
+
+    ref = step(block.double(), torch.float64, False)
+    block.to(torch.bfloat16)
+    plain, fused = step(block, torch.bfloat16, False), step(block, torch.bfloat16, True)
+    plain_err, fused_err = (plain - ref).abs().max(), (fused - ref).abs().max()
+    assert fused_err <= 1.5 * plain_err + ref.abs().max() * 2**-8, (fused_err, plain_err)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("n,k", [(2304, 768), (768, 3072), (6400, 1600), (1600, 6400)])
 def test_gpu_gemv_at_gpt2_shapes(n, k):
-    for gelu in (False, True):
-        _check("cuda", n, k, torch.bfloat16, True, gelu)
+    for gelu, ln, residual in ((False, True, False), (True, True, False), (False, False, True)):
+        _check("cuda", n, k, torch.bfloat16, True, gelu, ln, residual)
 
 
 @pytest.mark.gpu

@@ -69,10 +69,13 @@ for dt in ("bf16", "fp32"):
     sig = {"src_ptr": f"*{dt}", "g_ptr": "*fp32", "dst_ptr": f"*{dt}", "numel": "i32"}
     out[f"scale {dt}"] = build(kernels._scale_kernel, sig, dict(BLOCK=4096, INTERPRETED=False), 4)
 from fused_loss import gemv
-for gelu in (False, True):  # the decoding GEMV (K = 768 ... 6400 are multiples of 16)
-    sig = {f"{n}_ptr": "*bf16" for n in "xwby"} | {"N": "i32", "K": "i32"}
-    consts = dict(HAS_BIAS=True, GELU=gelu, BLOCK_N=16, BLOCK_K=gemv.BLOCK_K, INTERPRETED=False)
-    out[f"gemv bf16 gelu={gelu}"] = build(gemv._gemv_kernel, sig, consts, gemv.NUM_WARPS)
+for k in (1600, 6400):  # the decoding GEMV at 1558M's K (multiples of 16), launched with PDL
+    sig = {f"{n}_ptr": "*bf16" for n in ("x", "w", "b", "r", "ln_w", "ln_b", "y")}
+    sig |= {"N": "i32", "eps": "fp32"}
+    consts = dict(K=k, KP=triton.next_power_of_2(k), BLOCK_N=gemv.ELEMENTS // 2048 if k == 1600
+                  else 1, HAS_BIAS=True, LN=k == 1600, LN_BIAS=True, GELU=k == 1600,
+                  RESIDUAL=k == 6400, PDL=True, INTERPRETED=False)
+    out[f"gemv bf16 K={k}"] = build(gemv._gemv_kernel, sig, consts, gemv.NUM_WARPS)
 print(json.dumps(out))
 """
 
