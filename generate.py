@@ -182,7 +182,8 @@ class StaticKVCache:
     (0 for positions < pos, the dtype's lowest value after: not -inf, so that a kernel that
     splits the keys never meets a block of -inf alone; the step opens pos before attending).
 
-    The attention layers call update(layer, k, v) (model.py); a prefill goes through _Prefill.
+    The attention layers call update(layer, k, v), or read(layer) once their GEMV has stored
+    them (model.py); a prefill goes through _Prefill.
     """
 
     def __init__(self, n_layer, batch_size, n_head, head_size, max_len, dtype, device):
@@ -202,6 +203,11 @@ class StaticKVCache:
         the mask (1, 1, 1, max_len)."""
         self.k[layer].index_copy_(2, self.pos, k)
         self.v[layer].index_copy_(2, self.pos, v)
+        return self.read(layer)
+
+    def read(self, layer):
+        """Every key and value of a layer (B, nh, max_len, hs) and the mask (1, 1, 1, max_len),
+        for a step that stored its own (model.Block._decode_row: in c_attn's GEMV)."""
         return self.k[layer], self.v[layer], self.mask
 
 

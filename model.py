@@ -111,8 +111,9 @@ class CausalSelfAttention(nn.Module):
         y = self.attend(self.c_attn(x), cache, layer)
         return self.resid_dropout(self.c_proj(y))
 
-    def attend(self, qkv, cache=None, layer=0):
-        """Attention from c_attn's output qkv (B, T, 3C) to its output (B, T, C), before c_proj."""
+    def attend(self, qkv, cache=None, layer=0, stored=False):
+        """Attention from c_attn's output qkv (B, T, 3C) to its output (B, T, C), before c_proj.
+        stored: the step's keys and values are in the cache already (Block._decode_row)."""
         B, T, C = qkv.size(0), qkv.size(1), self.n_embd
         q, k, v = qkv.split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -123,7 +124,7 @@ class CausalSelfAttention(nn.Module):
             # the keys/values to attend to and a mask: a prefill gets its T new ones and None
             # (causal among them), a decoding step the whole static cache (B, nh, max_len, hs)
             # and its additive mask (1, 1, 1, max_len) (generate.py)
-            k, v, mask = cache.update(layer, k, v)
+            k, v, mask = cache.read(layer) if stored else cache.update(layer, k, v)
         dropout_p = self.dropout if self.training else 0.0
         # without a cache always causal (T == 1 too: one query, one key), so that no SymBool
         # reaches is_causal when a compiled model meets a second shape (dynamic shapes)
@@ -163,19 +164,23 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cache=None, layer=0):
-        if cache is not None and not self.training and gemv.applies(x, self.attn.c_attn.weight):
+        step = isinstance(cache, generate.StaticKVCache)  # a decoding step, not a prefill
+        if step and not self.training and gemv.applies(x, self.attn.c_attn.weight):
             return self._decode_row(x, cache, layer)
         x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x), decode=cache is not None)
 
     def _decode_row(self, x, cache, layer):
-        """forward for a decoding step of one sequence (x (1, 1, C), bf16/fp16 on CUDA): four
-        GEMVs (fused_loss/gemv.py), the LayerNorms in the prologues of c_attn and c_fc, the
-        residual adds in the epilogues of the projections. Same math, fewer kernels: at batch 1
-        the small ones cost as much as reading the weights (bench/RESULTS.md §3)."""
+        """forward for a decoding step of one sequence (x (1, 1, C), bf16/fp16 on CUDA, cache a
+        generate.StaticKVCache): four GEMVs (fused_loss/gemv.py), the LayerNorms in the
+        prologues of c_attn and c_fc, the key and value stores in c_attn's epilogue, the
+        residual adds in the projections'. Same math, fewer kernels: at batch 1 the small ones
+        cost as much as reading the weights (bench/RESULTS.md §3)."""
         attn, mlp = self.attn, self.mlp
-        qkv = gemv.gemv(x, attn.c_attn.weight, attn.c_attn.bias, ln=_ln_args(self.ln_1))
-        y = attn.attend(qkv, cache, layer)
+        k, v = cache.k[layer], cache.v[layer]
+        qkv = gemv.gemv(x, attn.c_attn.weight, attn.c_attn.bias, ln=_ln_args(self.ln_1),
+                        kv=(k, v, cache.pos))  # fmt: skip
+        y = attn.attend(qkv, cache, layer, stored=True)
         x = gemv.gemv(y, attn.c_proj.weight, attn.c_proj.bias, residual=x)
         h = gemv.gemv(x, mlp.c_fc.weight, mlp.c_fc.bias, gelu=True, ln=_ln_args(self.ln_2))
         return gemv.gemv(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x)

@@ -45,8 +45,12 @@ def _gemv_kernel(
     ln_w_ptr,  # (K,) LayerNorm weight, when LN
     ln_b_ptr,  # (K,) LayerNorm bias, when LN_BIAS
     y_ptr,  # (N,) out
+    k_ptr,  # (nh, L, HEAD) the layer's key cache, when KV
+    v_ptr,  # (nh, L, HEAD) its value cache, when KV
+    pos_ptr,  # (1,) int64: the position this step stores, when KV
     N,
     eps,
+    stride_head,  # L * HEAD, when KV
     K: tl.constexpr,
     KP: tl.constexpr,  # next_power_of_2(K)
     BLOCK_N: tl.constexpr,
@@ -55,6 +59,8 @@ def _gemv_kernel(
     LN_BIAS: tl.constexpr,
     GELU: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    KV: tl.constexpr,  # c_attn's output: also store its key and value rows in the cache
+    HEAD: tl.constexpr,  # head size, when KV
     PDL: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
@@ -83,7 +89,15 @@ def _gemv_kernel(
         y = y * tl.sigmoid(1.5957691216057308 * (y + 0.044715 * y * y * y))
     if RESIDUAL:
         y += tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, _cast(y, y_ptr.dtype.element_ty, INTERPRETED), mask=row_ok)
+    y = _cast(y, y_ptr.dtype.element_ty, INTERPRETED)
+    tl.store(y_ptr + rows, y, mask=row_ok)
+    if KV:  # rows [0, N/3) are q, [N/3, 2N/3) k, [2N/3, N) v: head j // HEAD, dim j % HEAD
+        j = rows - N // 3
+        is_v = j >= N // 3
+        j = tl.where(is_v, j - N // 3, j)
+        offs = (j // HEAD) * stride_head + tl.load(pos_ptr) * HEAD + j % HEAD
+        tl.store(k_ptr + offs, y, mask=row_ok & (j >= 0) & ~is_v)
+        tl.store(v_ptr + offs, y, mask=row_ok & is_v)
 
 
 def block_n(n, k, device, elements=ELEMENTS):
@@ -102,10 +116,14 @@ def pdl(device):
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def gemv(x, w, b=None, *, gelu=False, ln=None, residual=None, out_dtype=None):
+def gemv(x, w, b=None, *, gelu=False, ln=None, residual=None, kv=None, out_dtype=None):
     """act(LN(x) @ w.T + b) + residual for x (..., K) holding one row; w (N, K) contiguous, b,
     residual (..., N) or None, ln (weight, bias or None, eps) or None, all in x's dtype; returns
-    (..., N) in out_dtype (default x's)."""
+    (..., N) in out_dtype (default x's).
+
+    kv: (k_cache, v_cache, pos) for c_attn (N = 3 C): its output's k and v thirds are also
+    stored at position pos (a (1,) int64 tensor) of the caches (1, n_head, L, C / n_head), in
+    place, as StaticKVCache.update would store them."""
     n, k = w.shape
     if x.numel() != k or not w.is_contiguous() or x.dtype != w.dtype:
         raise ValueError(f"gemv: one row of {k} in w's dtype {w.dtype} and a contiguous w needed")
@@ -113,8 +131,24 @@ def gemv(x, w, b=None, *, gelu=False, ln=None, residual=None, out_dtype=None):
         raise ValueError(f"gemv: the residual needs {n} elements, got {tuple(residual.shape)}")
     ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
     r = None if residual is None else residual.reshape(n)
-    y = _gemv_op(x.reshape(k), w, b, r, ln_w, ln_b, eps, gelu, out_dtype or x.dtype)
-    return y.view(*x.shape[:-1], n)
+    args = (x.reshape(k), w, b, r, ln_w, ln_b, eps, gelu, out_dtype or x.dtype)
+    if kv is None:
+        return _gemv_op(*args).view(*x.shape[:-1], n)
+    k_cache, v_cache, pos = kv
+    heads = k_cache.shape[1]
+    if (
+        k_cache.dim() != 4
+        or k_cache.shape[0] != 1
+        or heads * k_cache.shape[3] * 3 != n
+        or v_cache.shape != k_cache.shape
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or k_cache.dtype != (out_dtype or x.dtype)
+    ):
+        raise ValueError(
+            f"gemv: kv caches must be contiguous (1, n_head, L, {n} / 3 / n_head) in the output's "
+            f"dtype, got {tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)}"
+        )
+    return _gemv_kv_op(*args, k_cache, v_cache, pos).view(*x.shape[:-1], n)
 
 
 # An opaque op to torch.compile: a compiled decoding step keeps the kernel (Inductor would use
@@ -134,10 +168,40 @@ def _gemv_op(
     return launch(x, w, b, r, ln_w, ln_b, eps, gelu, out_dtype)
 
 
-def launch(x, w, b, r, ln_w, ln_b, eps, gelu, out_dtype, elements=ELEMENTS, num_warps=NUM_WARPS,
-           use_pdl=None):  # fmt: skip
+@_gemv_op.register_fake
+def _(x, w, b, r, ln_w, ln_b, eps, gelu, out_dtype):
+    return x.new_empty(w.shape[0], dtype=out_dtype)
+
+
+# The same with the key and value stores; the caches are mutated in place.
+@torch.library.custom_op("fused_loss::gemv_kv", mutates_args=("k_cache", "v_cache"))
+def _gemv_kv_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    r: torch.Tensor | None,
+    ln_w: torch.Tensor | None,
+    ln_b: torch.Tensor | None,
+    eps: float,
+    gelu: bool,
+    out_dtype: torch.dtype,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+) -> torch.Tensor:
+    return launch(x, w, b, r, ln_w, ln_b, eps, gelu, out_dtype, kv=(k_cache, v_cache, pos))
+
+
+@_gemv_kv_op.register_fake
+def _(x, w, b, r, ln_w, ln_b, eps, gelu, out_dtype, k_cache, v_cache, pos):
+    return x.new_empty(w.shape[0], dtype=out_dtype)
+
+
+def launch(x, w, b, r, ln_w, ln_b, eps, gelu, out_dtype, kv=None, elements=ELEMENTS,
+           num_warps=NUM_WARPS, use_pdl=None):  # fmt: skip
     """The kernel's launch (bench/bench_gemv.py varies elements, num_warps and use_pdl)."""
     n, k = w.shape
+    k_cache, v_cache, pos = kv if kv is not None else (w, w, w)  # w: no such input
     y = torch.empty(n, dtype=out_dtype, device=x.device)
     bn = block_n(n, k, x.device, elements)
     use_pdl = pdl(x.device) if use_pdl is None else use_pdl
@@ -146,8 +210,12 @@ def launch(x, w, b, r, ln_w, ln_b, eps, gelu, out_dtype, elements=ELEMENTS, num_
         w,
         *(w if t is None else t.contiguous() for t in (b, r, ln_w, ln_b)),  # w: no such input
         y,
+        k_cache,
+        v_cache,
+        pos,
         n,
         eps,
+        k_cache.stride(1) if kv is not None else 0,
         K=k,
         KP=triton.next_power_of_2(k),
         BLOCK_N=bn,
@@ -156,17 +224,14 @@ def launch(x, w, b, r, ln_w, ln_b, eps, gelu, out_dtype, elements=ELEMENTS, num_
         LN_BIAS=ln_b is not None,
         GELU=gelu,
         RESIDUAL=r is not None,
+        KV=kv is not None,
+        HEAD=k_cache.shape[3] if kv is not None else 1,
         PDL=use_pdl,
         INTERPRETED=x.device.type != "cuda",
         num_warps=num_warps,
         **(dict(launch_pdl=True) if use_pdl else {}),
     )
     return y
-
-
-@_gemv_op.register_fake
-def _(x, w, b, r, ln_w, ln_b, eps, gelu, out_dtype):
-    return x.new_empty(w.shape[0], dtype=out_dtype)
 
 
 def gemv_reference(x, w, b=None, *, gelu=False, ln=None, residual=None, out_dtype=None):

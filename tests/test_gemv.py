@@ -94,36 +94,45 @@ def test_applies_only_to_one_row_on_cuda_without_grad():
         assert not gemv.applies(xc, wc)  # grad enabled
 
 
-def test_block_decoding_step_matches_the_block_forward_under_the_interpreter():
-    """Block._decode_row (the four GEMVs with LN prologues and residual epilogues) against the
-    block's plain forward through the same cache, both against fp64: same math. n_embd 48: K is
-    no power of two (KP 64, 256 for the MLP's projection)."""
+@pytest.mark.parametrize("n_embd,n_head", [(96, 3), (48, 2)])
+def test_block_decoding_step_matches_the_block_forward_under_the_interpreter(n_embd, n_head):
+    """Block._decode_row (the four GEMVs with LN prologues, residual epilogues and the key and
+    value stores) against the block's plain forward through the same cache, both against fp64:
+    the same output and the same cache, changed at pos only. K is no power of two (96, 48: KP
+    128, 64; the MLP's projection 512, 256)."""
     torch.manual_seed(0)
-    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=48, block_size=16, vocab_size=64,
+    cfg = GPTConfig(n_layer=1, n_head=n_head, n_embd=n_embd, block_size=16, vocab_size=64,
                     padded_vocab_size=64)  # fmt: skip
+    hs = n_embd // n_head
     model = GPT(cfg).eval()
     block = model.transformer.h[0]
     with torch.no_grad():  # LayerNorms that are not the identity
         for ln in (block.ln_1, block.ln_2):
             ln.weight.normal_(1, 0.3)
             ln.bias.normal_(0, 0.3)
-    x = 2 * torch.randn(1, 1, 48) + 0.5
+    x = 2 * torch.randn(1, 1, n_embd) + 0.5
+    keys = torch.randn(1, n_head, 8, hs, generator=torch.Generator().manual_seed(1))
 
     def step(blk, dtype, fused):
-        cache = generate.StaticKVCache(1, 1, 2, 24, 8, dtype, "cpu")
-        keys = torch.randn(1, 2, 5, 24, generator=torch.Generator().manual_seed(1))
-        cache.k[0][:, :, :5], cache.v[0][:, :, :5] = keys.to(dtype), (keys * 0.5).to(dtype)
+        cache = generate.StaticKVCache(1, 1, n_head, hs, 8, dtype, "cpu")
+        cache.k[0].copy_(keys)  # positions >= pos hold stale values: only pos may change
+        cache.v[0].copy_(keys * 0.5)
         cache.pos.fill_(5)
         cache.mask[..., :6] = 0.0
         with torch.no_grad():
-            fn = blk._decode_row if fused else blk.forward
-            return fn(x.to(dtype), cache, 0).double()
+            out = (blk._decode_row if fused else blk.forward)(x.to(dtype), cache, 0)
+        return out.double(), cache.k[0].double(), cache.v[0].double()
 
     ref = step(block.double(), torch.float64, False)
     block.to(torch.bfloat16)
     plain, fused = step(block, torch.bfloat16, False), step(block, torch.bfloat16, True)
-    plain_err, fused_err = (plain - ref).abs().max(), (fused - ref).abs().max()
-    assert fused_err <= 1.5 * plain_err + ref.abs().max() * 2**-8, (fused_err, plain_err)
+    for name, r, p, f in zip(("output", "keys", "values"), ref, plain, fused, strict=True):
+        if name != "output":  # the cache: written at pos (5) only
+            others = [t for t in range(8) if t != 5]
+            assert torch.equal(f[:, :, others], p[:, :, others]), name
+            r, p, f = r[:, :, 5], p[:, :, 5], f[:, :, 5]
+        plain_err, fused_err = (p - r).abs().max(), (f - r).abs().max()
+        assert fused_err <= 1.5 * plain_err + r.abs().max() * 2**-8, (name, fused_err, plain_err)
 
 
 @pytest.mark.gpu

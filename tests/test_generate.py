@@ -207,18 +207,20 @@ def test_gpu_fp32_greedy_equals_recompute(decode, prompt_len, new, batch):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("decode", GPU_MODES)
+@pytest.mark.parametrize("batch", [4, 1])
 @pytest.mark.usefixtures("no_tf32")
-def test_gpu_bf16_greedy_picks_the_fp32_argmax_within_bf16_error(decode):
-    """bf16 (cuBLASLt MLP, bf16 cache): greedy tokens may leave the fp32 path's where logits
-    nearly tie, so each chosen token is checked against the fp32 logits of the same sequence:
-    it must be within 4x the error that eager bf16 itself has on those logits of their max."""
+def test_gpu_bf16_greedy_picks_the_fp32_argmax_within_bf16_error(decode, batch):
+    """bf16 (cuBLASLt MLP, bf16 cache; at batch 1 the step of fused GEMVs): greedy tokens may
+    leave the fp32 path's where logits nearly tie, so each chosen token is checked against the
+    fp32 logits of the same sequence: it must be within 4x the error that eager bf16 itself has
+    on those logits of their max."""
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, loss_impl="torch")
     model32 = GPT(cfg).cuda().eval()
     model = GPT(cfg).cuda().eval()
     model.load_state_dict(model32.state_dict())
     model = model.to(torch.bfloat16)
-    idx = torch.randint(0, V, (4, 9), device="cuda")
+    idx = torch.randint(0, V, (batch, 9), device="cuda")
     out = model.generate(idx, 60, temperature=0, decode=decode)
     with torch.no_grad():
         ref = model32(out[:, :-1], all_positions=True)[:, 8:]  # (4, 60, V): predicts out[:, 9:]
@@ -231,7 +233,8 @@ def test_gpu_bf16_greedy_picks_the_fp32_argmax_within_bf16_error(decode):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("decode", GPU_MODES)
-def test_gpu_no_host_sync_per_token_and_seeded_sampling(decode):
+@pytest.mark.parametrize("batch", [4, 1])
+def test_gpu_no_host_sync_per_token_and_seeded_sampling(decode, batch):
     """After the first call (compile, capture, cuBLASLt plans), a call syncs the host with the
     GPU nowhere (sync debug mode raises); the compiled step runs as CUDA graphs (Inductor skips
     none); bf16 sampling never emits a padded id, and a seed gives the same tokens again."""
@@ -239,7 +242,7 @@ def test_gpu_no_host_sync_per_token_and_seeded_sampling(decode):
     model = tiny(seed=7).cuda().to(torch.bfloat16)
     with torch.no_grad():  # tied: the padded classifier rows would win every softmax
         model.transformer.wte.weight[V:] = 1e4
-    idx = torch.randint(0, V, (4, 5), device="cuda")
+    idx = torch.randint(0, V, (batch, 5), device="cuda")
     top_p = None if decode == "compile" else 0.95  # compile + top_p decodes as graph (_mode)
     kw = dict(temperature=0.8, top_k=200, top_p=top_p, decode=decode)
     g = torch.Generator("cuda")

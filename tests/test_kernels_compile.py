@@ -70,11 +70,11 @@ for dt in ("bf16", "fp32"):
     out[f"scale {dt}"] = build(kernels._scale_kernel, sig, dict(BLOCK=4096, INTERPRETED=False), 4)
 from fused_loss import gemv
 for k in (1600, 6400):  # the decoding GEMV at 1558M's K (multiples of 16), launched with PDL
-    sig = {f"{n}_ptr": "*bf16" for n in ("x", "w", "b", "r", "ln_w", "ln_b", "y")}
-    sig |= {"N": "i32", "eps": "fp32"}
+    sig = {f"{n}_ptr": "*bf16" for n in ("x", "w", "b", "r", "ln_w", "ln_b", "y", "k", "v")}
+    sig |= {"pos_ptr": "*i64", "N": "i32", "eps": "fp32", "stride_head": "i32"}
     consts = dict(K=k, KP=triton.next_power_of_2(k), BLOCK_N=gemv.ELEMENTS // 2048 if k == 1600
                   else 1, HAS_BIAS=True, LN=k == 1600, LN_BIAS=True, GELU=k == 1600,
-                  RESIDUAL=k == 6400, PDL=True, INTERPRETED=False)
+                  RESIDUAL=k == 6400, KV=k == 1600, HEAD=64, PDL=True, INTERPRETED=False)
     out[f"gemv bf16 K={k}"] = build(gemv._gemv_kernel, sig, consts, gemv.NUM_WARPS)
 print(json.dumps(out))
 """
