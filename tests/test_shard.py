@@ -284,3 +284,45 @@ def test_inner_micro_steps_leave_fsdp2_grads_unreduced():
         torch.testing.assert_close(norm.full_tensor(), want)
     finally:
         dist.destroy_process_group()
+
+
+def test_zero1_compiled_graph_is_cut_where_ddps_is(monkeypatch):
+    """torch.compile under DDP cuts the graph where DDP's gradient buckets end (Dynamo's
+    DDPOptimizer). ZeRO-1's parameters are views into one bucket, and DDPOptimizer counted each
+    as its whole storage: the graph was cut at nearly every parameter (76 subgraphs at 124M
+    instead of DDP's 14). sharding.make_optimizer corrects the count: ZeRO-1's cuts are DDP's,
+    with the same bytes counted in each. One gloo rank, aot_eager (no Inductor)."""
+    import torch.distributed as dist
+    from torch._dynamo.backends.distributed import DDPOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from model import GPT, GPTConfig
+
+    cuts = {}
+    compile_fn = DDPOptimizer.compile_fn
+
+    def spy(self, gm, example_inputs, **kw):
+        out = compile_fn(self, gm, example_inputs, **kw)
+        cuts[mode] = [(b.params, b.size) for b in self.buckets]
+        return out
+
+    monkeypatch.setattr(DDPOptimizer, "compile_fn", spy)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        cfg = GPTConfig(block_size=16, vocab_size=512, padded_vocab_size=512, n_layer=4, n_head=2)
+        cfg.n_embd, cfg.loss_impl, cfg.mlp_impl = 128, "torch", "torch"  # 3.4 MB of weights
+        x = torch.randint(0, 512, (2, 16))
+        for mode in ("none", "optimizer"):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = GPT(cfg)
+            opt = sharding.make_optimizer(model, TrainConfig(shard=mode), torch.device("cpu"))
+            # 1 MB buckets (DDP's first bucket's size): DDP's own graph has cuts too
+            ddp = DDP(torch.compile(model, backend="aot_eager"), bucket_cap_mb=1)
+            ddp(x, x).backward()
+            opt.step()
+        assert len(cuts["none"]) > 1
+        assert cuts["optimizer"] == cuts["none"]  # the same parameters and bytes in each
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
