@@ -82,6 +82,14 @@ def shard_model(raw_model, shard):
     # rank 0's go to every rank first, as DDP does when it wraps the model
     for t in itertools.chain(raw_model.parameters(), raw_model.buffers()):
         dist.broadcast(t.detach(), src=0)
+    # At world size 1 (torch 2.13, read, measured on CPU only) FSDP2 skips the all-gather but
+    # copies each parameter into its unsharded tensor (one copy per tensor) at every unshard: in
+    # the forward, and again in the backward for the resharded blocks; its reduce-scatter still
+    # packs the grads (chunk_cat) per group; its hooks are eager Python per module (a torch.compile
+    # of the root runs 13 graphs, cut at each Block, as many as DDP's 14); the clip and the fused
+    # AdamW dispatch over DTensors (on CPU ~2.5x their plain-tensor time).
+    # reshard_after_forward=False on every block would drop the backward's copies at 4 B/param
+    # of gathered weights held from forward to backward (the memory FSDP2 is there to save)
     blocks = raw_model.transformer.h
     for i, block in enumerate(blocks):
         # the last block's backward comes right after its forward: keep it gathered in between

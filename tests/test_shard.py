@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -308,6 +309,7 @@ def test_zero1_compiled_graph_is_cut_where_ddps_is(monkeypatch):
 
     monkeypatch.setattr(DDPOptimizer, "compile_fn", spy)
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    wrapped = []  # the DDP modules (their reducers hold the group) until the group is gone
     try:
         cfg = GPTConfig(block_size=16, vocab_size=512, padded_vocab_size=512, n_layer=4, n_head=2)
         cfg.n_embd, cfg.loss_impl, cfg.mlp_impl = 128, "torch", "torch"  # 3.4 MB of weights
@@ -318,11 +320,17 @@ def test_zero1_compiled_graph_is_cut_where_ddps_is(monkeypatch):
             model = GPT(cfg)
             opt = sharding.make_optimizer(model, TrainConfig(shard=mode), torch.device("cpu"))
             # 1 MB buckets (DDP's first bucket's size): DDP's own graph has cuts too
-            ddp = DDP(torch.compile(model, backend="aot_eager"), bucket_cap_mb=1)
-            ddp(x, x).backward()
+            wrapped.append(DDP(torch.compile(model, backend="aot_eager"), bucket_cap_mb=1))
+            wrapped[-1](x, x).backward()
             opt.step()
         assert len(cuts["none"]) > 1
         assert cuts["optimizer"] == cuts["none"]  # the same parameters and bytes in each
     finally:
         torch._dynamo.reset()
+        # as distributed.teardown: gloo's worker thread must free its last works (it takes the
+        # GIL) before the group's destructor joins it, from a dealloc that holds the GIL
+        dist.barrier()
+        time.sleep(0.1)
+        wrapped.clear()
         dist.destroy_process_group()
+        time.sleep(0.1)
