@@ -222,10 +222,11 @@ def test_sharding_outside_torchrun_says_how(tiny_args, tmp_path):
 def test_gpu_each_mode_at_world_size_1_matches_ddp(tiny_data, tmp_path):
     """torchrun --nproc_per_node=1 on CUDA with the defaults (fused loss, cuBLASLt MLP, bf16
     autocast over fp32 weights), 8 steps of 4 micro-steps: ZeRO-1 with the Triton AdamW against
-    DDP with it; FSDP2 with torch's fused AdamW, eager and compiled, against DDP with that. At one
-    rank the same math runs (gathers and reductions are copies) but the clip factor may differ in
-    its last bit (the norm summed in another order; clipped in place, not by grad_scale), which
-    can flip bf16 roundings of weights: 2e-4 allowed in eager mode; the compiled run to bf16's
+    DDP with it, eager and compiled (the compiled one through sharding's graph-cut correction);
+    FSDP2 with torch's fused AdamW, eager and compiled, against DDP with that. At one rank the
+    same math runs (gathers and reductions are copies) but the clip factor may differ in its
+    last bit (the norm summed in another order; clipped in place, not by grad_scale), which can
+    flip bf16 roundings of weights: 2e-4 allowed in eager mode; the compiled runs to bf16's
     compiled-against-eager noise (check_compile allows 2e-3 nats a step), 1e-2."""
     base = [a for a in TINY if not a.startswith(("--device", "--dtype", "--loss_impl"))]
     base += [f"--dataset={tiny_data}", "--device=cuda", "--total_batch_size=512"]
@@ -233,6 +234,7 @@ def test_gpu_each_mode_at_world_size_1_matches_ddp(tiny_data, tmp_path):
     variants = {
         "ddp": [],
         "zero": ["--shard=optimizer"],
+        "zero_compiled": ["--shard=optimizer", "--compile=True"],  # the graph-cut correction
         "ddp_torch": ["--adamw_impl=torch"],
         "fsdp": ["--shard=full", "--adamw_impl=torch"],
         "fsdp_compiled": ["--shard=full", "--adamw_impl=torch", "--compile=True"],
@@ -250,6 +252,7 @@ def test_gpu_each_mode_at_world_size_1_matches_ddp(tiny_data, tmp_path):
         assert "bfloat16" in out and "grad_accum 4" in out, out
     logs = {name: read_log(tmp_path / name)[0] for name in variants}
     pairs = [("zero", "ddp", 2e-4), ("fsdp", "ddp_torch", 2e-4), ("fsdp_compiled", "ddp_torch", 0)]
+    pairs += [("zero_compiled", "ddp", 0)]
     for name, ref, rel in pairs:
         for step in range(8):
             want = logs[ref][step]
