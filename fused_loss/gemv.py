@@ -10,7 +10,9 @@ and a GPT-2 block's small kernels (LayerNorm, residual add, a launch gap each) c
 its weight reads. So a block is four calls of this kernel (model.Block): the LayerNorms in the
 prologue of c_attn and c_fc, the residual adds in the epilogue of the two projections, the bias
 and the GELU on the fp32 sum, rounded once (torch rounds the matmul and then the add: the same
-to a bf16 rounding). Timings: bench/RESULTS.md §3.
+to a bf16 rounding); c_attn's epilogue also stores the step's key and value rows in the static
+cache at pos (generate.StaticKVCache), so no cache-write kernels run. Timings: bench/RESULTS.md
+§3.
 
 Each program loads BLOCK_N whole rows of W at once (K is a compile-time constant: one masked
 load of KP = next_power_of_2(K) columns, 16 bytes per thread and step), so all of a program's
