@@ -193,6 +193,8 @@ VARIANTS = {
     "extra640": dict(extra=640 * MiB),
     # the trainer's case: fp32 master weight under autocast (default 320 MiB: 10 chunks)
     "master_two_reads": dict(row=dict(single_read=False), master=True),
+    # the single read with cuBLAS's logits GEMM and _exp_rows_kernel: the default until run 96
+    "master_cublas_logits": dict(row=dict(logits="cublas"), master=True),
 }
 
 
@@ -334,7 +336,7 @@ def main():
             dw_ref = torch.cat([ref_m[2], ref_m[2].new_zeros(V - 50257, D)])  # padded rows: 0
             res = measure(masked, x, w, t_real, (ref_m[0], ref_m[1], dw_ref), args.reps)
             record(shape, "ours (vocab 50257 masked)", res)
-        if shape == "124M":  # the trainer's case: fp32 master weight, grads of w in fp32
+        if shape in ("124M", "1558M"):  # the trainer's case: fp32 master weight, fp32 dw
             w32 = w.float()
             for name in ("torch.compile", "ours"):
                 if name not in meths or isinstance(meths[name], str):  # --methods left it out

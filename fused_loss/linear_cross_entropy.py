@@ -5,7 +5,9 @@ Forward computes the loss and, when gradients are wanted, dx and dw in the same 
 is the last op of the model, so the backward only scales them by the upstream gradient (3 GEMMs,
 not 4). reduction="none" cannot be precomputed that way (each row's upstream gradient is unknown
 in forward), so its backward runs the pass again with those per-row weights. The chunk GEMMs go
-through cublaslt.py (algorithms chosen by timing, LAUNCH "gemm").
+through cublaslt.py (algorithms chosen by timing, LAUNCH "gemm"), except the logits GEMM of the
+single-read path on Hopper, which is exp_gemm.py's Triton kernel with the row pass in its
+epilogue (LAUNCH "logits").
 """
 
 import functools
@@ -14,7 +16,7 @@ import os
 import torch
 import triton
 
-from fused_loss import cublaslt, triton_kernels
+from fused_loss import cublaslt, exp_gemm, triton_kernels
 from fused_loss.checks import check_inputs
 from fused_loss.reference import linear_cross_entropy_reference
 
@@ -50,6 +52,7 @@ _CHOICES = dict(
     gemm="cublaslt",
     lt_candidates=16,
     lt_workspace=0,
+    logits="triton",
 )
 ORDERS = ("forward", "pass1_back", "pass2_back")
 LAUNCH = {
@@ -211,10 +214,17 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     programs = _num_sms(dev.index) * cfg["per_sm"] if cuda and cfg["per_sm"] else n
     single = use_single_read(cfg["single_read"], x.dtype, dw_dtype)
 
+    exp_epilogue = single and cfg["logits"] == "triton" and exp_gemm.applies(x, w)
+    logits_kw = dict(vocab_size=vocab_size, ignore_index=ignore_index)
     buf = torch.empty((n, V), device=dev, dtype=x.dtype)  # z, then G (or E) of one chunk
     # the first chunk's logits GEMM is queued before the rest is set up (and g formed, when it is
     # a function): the GPU starts on it while the host does the rest
-    _gemm(buf, x[:n], w.t(), cfg)
+    args = state = None
+    if exp_epilogue:
+        state = exp_gemm.scratch(n, V, dev)
+        exp_gemm.start(x[:n], w, y[:n], buf, state, **logits_kw)
+    else:
+        _gemm(buf, x[:n], w.t(), cfg)
     g = g() if callable(g) else g
     losses = torch.empty(N, device=dev, dtype=torch.float32)
     dx, dw, accs = x.new_empty(0), x.new_empty(0), []
@@ -237,18 +247,26 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     for i, c0 in enumerate(range(0, N, n)):
         rows = min(n, N - c0)
         xs, z, dxs = x[c0 : c0 + rows], buf[:rows], dx[c0 : c0 + rows]
-        if i:  # the first one was queued above
-            _gemm(z, xs, w.t(), cfg)
-        if fill:
-            z[:, vocab_size:].fill_(float("-inf"))
-        args = (z, y[c0 : c0 + rows], g[c0 : c0 + rows] if g_per_row else g)
-        args += (losses[c0 : c0 + rows],) + ((f,) if single else ())
-        args += (rows, V, vocab_size, mask_cols, z.stride(0), ignore_index)
-        grid = (min(rows, programs),)
-        if single:  # z -> E in place, f = g / S
-            triton_kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, **launch)
-        else:  # z -> G in place
-            triton_kernels._softmax_grad_kernel[grid](*args, **order, **launch)
+        ys, gs = y[c0 : c0 + rows], g[c0 : c0 + rows] if g_per_row else g
+        if exp_epilogue:  # E from the GEMM's epilogue; f = g / S, the one-hot folded in
+            if i:
+                exp_gemm.start(xs, w, ys, z, state, **logits_kw)
+            exp_gemm.finish(
+                z, ys, gs, state, losses[c0 : c0 + rows], f,
+                g_per_row=g_per_row, want_grad=want_grad, **logits_kw,
+            )  # fmt: skip
+        else:
+            if i:  # the first one was queued above
+                _gemm(z, xs, w.t(), cfg)
+            if fill:
+                z[:, vocab_size:].fill_(float("-inf"))
+            args = (z, ys, gs, losses[c0 : c0 + rows]) + ((f,) if single else ())
+            args += (rows, V, vocab_size, mask_cols, z.stride(0), ignore_index)
+            grid = (min(rows, programs),)
+            if single:  # z -> E in place, f = g / S
+                triton_kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, **launch)
+            else:  # z -> G in place
+                triton_kernels._softmax_grad_kernel[grid](*args, **order, **launch)
         if not want_grad:
             continue
         if single:  # dx = f * (E @ w), dw += E.T @ (f * x)
@@ -259,7 +277,7 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
         else:  # dx = G @ w, dw += G.T @ x
             _gemm(dxs, z, w, cfg)
         _accumulate_dw(accs, parts, z.t(), xs, first=i == 0, cfg=cfg)
-    del buf, z, args  # free the buffer before the cast allocates dw in its dtype
+    del buf, z, args, state  # free the buffer before the cast allocates dw in its dtype
     if want_grad:
         casts = []
         while accs:  # cast each part, then free its fp32 accumulator

@@ -1,4 +1,6 @@
-"""Triton kernels of the fused linear + cross-entropy. The GEMMs around them are cuBLAS calls.
+"""Triton kernels of the fused linear + cross-entropy. The GEMMs around them are cuBLAS calls
+(on Hopper the single-read path's logits GEMM is exp_gemm.py's, which does _exp_rows_kernel's
+work in its epilogue).
 
 Dims: N tokens, D hidden, V weight rows (padded vocab), Vr = vocab_size <= V real columns.
 Math, for x (N, D), w (V, D), targets y (N,) and per-row gradient weights g (N,):

@@ -505,3 +505,62 @@ def test_gpu_many_chunks_fp32_master(monkeypatch):
     assert ws.grad.dtype == torch.float32 and (ws.grad[50257:] == 0).all()
     for o, r, p in zip((loss, xs.grad, ws.grad), ref, tb, strict=True):
         assert _rel(o, r) <= 1.2 * _rel(p, r) + 2e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_repeats_bit_for_bit_with_rebased_rows():
+    # Peaky rows whose max passes their target's logit by > exp_gemm.REBASE: the finish kernel
+    # rescales their tiles, then folds in the one-hot. Run after run the results must be the
+    # same bits (a missing barrier between those stores lost the one-hot in a few rows per run)
+    x, w, t = _make(4096, 768, 50304, 50257, torch.bfloat16, "cuda", ignore_frac=0.05, seed=7)
+    x[::7] *= 6
+    g = torch.full((1,), 1e-3, device="cuda")
+    kw = dict(ignore_index=-100, vocab_size=50257, want_grad=True, g_per_row=False)
+    first = fl.lce_pass(x, w, t, g, **kw)
+    for _ in range(6):
+        for a, b in zip(first, fl.lce_pass(x, w, t, g, **kw), strict=True):
+            assert torch.equal(a, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(37, 24, 80, 70), (64, 32, 128, 128), (21, 16, 48, 10)])
+def test_exp_gemm_matches_its_torch_reference(shape):
+    # The logits GEMM with E in its epilogue (fused_loss/exp_gemm.py), one chunk: G = f E and the
+    # losses against the same math in fp32 torch; ragged rows and tiles, padded columns, ignored
+    # and out-of-range targets (dead rows: E = 0, f = 0, loss 0 or NaN), rows below the buffer's
+    # end untouched
+    from fused_loss import exp_gemm
+
+    n, D, V, vocab = shape
+    x, w, t = _make(n, D, V, vocab, torch.bfloat16, "cpu", ignore_frac=0.2, seed=13)
+    t[3] = vocab + 1
+    g = torch.rand(n)
+    buf = torch.full((n + 5, V), 7.0, dtype=torch.bfloat16)
+    losses, f = torch.empty(n), torch.empty(n)
+    state = exp_gemm.scratch(n, V, x.device)
+    kw = dict(vocab_size=vocab, ignore_index=-100)
+    exp_gemm.start(x, w, t, buf[:n], state, **kw)
+    exp_gemm.finish(buf[:n], t, g, state, losses, f, g_per_row=True, want_grad=True, **kw)
+    e, f_ref, loss_ref = exp_gemm.exp_logits_reference(x, w, t, g, **kw)
+    G, G_ref = buf[:n].float() * f[:, None], e * f_ref[:, None]
+    assert _rel(G, G_ref) < 4e-3  # E rounded once to bf16
+    assert torch.equal(losses.isnan(), loss_ref.isnan()) and losses[3].isnan()
+    torch.testing.assert_close(losses.nan_to_num(), loss_ref.nan_to_num(), rtol=1e-5, atol=1e-5)
+    assert (f[t == -100] == 0).all() and (buf[:n][t == -100] == 0).all()
+    assert (buf[n:] == 7).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_read_with_the_cublas_logits_gemm(dtype, monkeypatch, row_kernel):
+    # LAUNCH logits="cublas": the chunk GEMM then _exp_rows_kernel (the path where exp_gemm does
+    # not apply: before Hopper, unaligned shapes), bf16 included
+    if not row_kernel:
+        pytest.skip("single read only")
+    for cfg in fl.LAUNCH.values():
+        monkeypatch.setitem(cfg, "logits", "cublas")
+    x, w, t = _make(64, 32, 128, 120, dtype, "cpu", ignore_frac=0.2, seed=14)
+    x[::5] *= 8
+    _check(x, w, t, 120, "mean", torch.tensor(0.6))
+    _check(x, w, t, 120, "none", torch.rand(64))

@@ -206,3 +206,52 @@ def test_adamw_kernels_compile_with_16_byte_accesses():
         "sumsq True": [4, 0],
         "sumsq False": [0, 0],
     }
+
+
+# exp_gemm's logits GEMM at its CUDA launch: a Hopper matrix kernel must issue wgmma (mma.sync
+# would be the slower path) and load its tiles through TMA; its shared memory (the pipeline's
+# stages and the staging of E's TMA store) must fit the 227 KiB a Hopper block may take.
+EXP_GEMM = r"""
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fused_loss import exp_gemm
+
+cfg = exp_gemm.LAUNCH["cuda"]
+BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+sig = {"x_desc": f"tensordesc<bf16[{BM},{BK}]>", "w_desc": f"tensordesc<bf16[{BN},{BK}]>",
+       "e_desc": f"tensordesc<bf16[{BM},{BN}]>", "e_ptr": "*bf16", "c_ptr": "*fp32",
+       "y_ptr": "*i64", "s_ptr": "*fp32", "k_ptr": "*i32"}
+sig |= {n: "i32" for n in ("n_rows", "V", "D", "vocab_size", "ignore_index")}
+consts = dict(REBASE=exp_gemm.REBASE, BM=BM, BN=BN, BK=BK, PROGRAMS=132, FLATTEN=cfg["flatten"],
+              TMA_STORE=cfg["tma_store"], INTERPRETED=False)
+src = ASTSource(fn=exp_gemm._exp_logits_kernel, constexprs=consts,
+                signature=dict(sig, **{k: "constexpr" for k in consts}))
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+ptx = k.asm["ptx"]
+count = lambda pattern: len(re.findall(pattern, ptx))
+out = dict(wgmma=count(r"wgmma\.mma_async"), mma_sync=count(r"mma\.sync"),
+           tma=count(r"cp\.async\.bulk\.tensor"), shared=k.metadata.shared)
+fin = dict(e_ptr="*bf16", y_ptr="*i64", g_ptr="*fp32", s_ptr="*fp32", k_ptr="*i32",
+           loss_ptr="*fp32", f_ptr="*fp32")
+fin |= {n: "i32" for n in ("V", "T", "stride_e", "vocab_size", "ignore_index")}
+consts = dict(REBASE=exp_gemm.REBASE, BN=BN, BT=256, G_PER_ROW=False, WRITE_G=True,
+              INTERPRETED=False)
+triton.compile(ASTSource(fn=exp_gemm._exp_finish_kernel, constexprs=consts,
+                         signature=dict(fin, **{k: "constexpr" for k in consts})),
+               target=GPUTarget("cuda", 90, 32))
+tgt = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*i64", c_ptr="*fp32", D="i32",
+           vocab_size="i32", ignore_index="i32")
+triton.compile(ASTSource(fn=exp_gemm._target_logit_kernel, constexprs=dict(BD=2048),
+                         signature=dict(tgt, BD="constexpr")), target=GPUTarget("cuda", 90, 32))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not _has_nvidia_backend(), reason="this Triton has no NVIDIA backend")
+def test_exp_gemm_compiles_to_wgmma_and_tma_within_shared_memory():
+    res = _compile_for_sm90(EXP_GEMM)
+    assert res["wgmma"] >= 1 and res["mma_sync"] == 0, res
+    assert res["tma"] >= 2, res  # the x and w tiles (and E's store)
+    assert res["shared"] <= 227 * 1024, res

@@ -1,0 +1,186 @@
+"""The logits GEMM with E in its epilogue (fused_loss/exp_gemm.py) against cuBLAS + the row pass.
+
+    python bench/bench_exp_gemm.py [--repeats 3] [--configs all] [--e2e]
+
+Part 1, one chunk (GPU ms, CUDA events around 20 launches, medians over --repeats interleaved
+rounds): the cuBLAS logits GEMM alone (LAUNCH gemm, algorithm chosen by timing), that GEMM +
+_exp_rows_kernel (today's single-read chunk, what the epilogue replaces), and exp_gemm's
+start + finish for each tile configuration, at the chunk shapes of the 124M and 1558M classifiers
+with fp32 master weights (3277 rows) and of the 124M one with bf16 weights (1725 rows). Also the
+error of each configuration's G = f E against the fp32 math of exp_gemm.exp_logits_reference.
+Part 2 (--e2e): fwd+bwd of fused_linear_cross_entropy with LAUNCH logits "cublas" and "triton"
+(and torch.compile of the reference) at the 124M and 1558M shapes, fp32 master weight under
+autocast, interleaved --repeats times; GPU ms with the host's latency hidden.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_fused_loss import SHAPES, FwdBwd, configured, make_inputs, master_weight, timed  # noqa: E402
+
+from fused_loss import (  # noqa: E402
+    exp_gemm,
+    fused_linear_cross_entropy,
+    linear_cross_entropy_reference,
+    triton_kernels,  # noqa: E402
+)
+from fused_loss import linear_cross_entropy as fl  # noqa: E402
+
+# (BM, BN, BK, num_warps, num_stages, per_sm, tma_store); run 93 also timed 128x128x64 at 8 and 4
+# warps, 4 stages, 128x128x64 4 warps 2 stages 2/SM and 128x256x64 2 stages: all slower
+CONFIGS = {
+    "128x256x64 w8 s3": (128, 256, 64, 8, 3, 1, True),
+    "128x256x64 w8 s3 ptr": (128, 256, 64, 8, 3, 1, False),
+    "128x256x64 w8 s4 ptr": (128, 256, 64, 8, 4, 1, False),
+    "128x256x128 w8 s2 ptr": (128, 256, 128, 8, 2, 1, False),
+    "256x128x64 w8 s3": (256, 128, 64, 8, 3, 1, True),
+    "256x128x64 w8 s4 ptr": (256, 128, 64, 8, 4, 1, False),
+}
+CHUNKS = {"124M master (3277 rows)": (3277, 768), "1558M master (3277 rows)": (3277, 1600),
+          "124M bf16 w (1725 rows)": (1725, 768)}  # fmt: skip
+V, VOCAB = 50304, 50257
+
+
+def events(fn, n=20):
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(20_000_000)
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / n
+
+
+def set_config(name):
+    BM, BN, BK, warps, stages, per_sm, tma_store = CONFIGS[name]
+    exp_gemm.LAUNCH["cuda"].update(
+        BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, per_sm=per_sm, tma_store=tma_store
+    )
+
+
+def chunk_cases(n, D, configs):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, D, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(V, D, device="cuda", generator=g) * (2.0 / D**0.5)).bfloat16()
+    y = torch.randint(0, VOCAB, (n,), device="cuda", generator=g)
+    y[::20] = -100
+    gw = torch.full((1,), 1.0 / n, device="cuda")
+    buf = torch.empty((n, V), device="cuda", dtype=torch.bfloat16)
+    losses = torch.empty(n, device="cuda")
+    f = torch.empty(n, device="cuda")
+    cfg = fl.LAUNCH["cuda"]
+    options, _, _, mask_cols = fl.row_kernel_setup(cfg, True, VOCAB, V)
+    programs = fl._num_sms(0) * cfg["per_sm"]
+
+    def cublas():
+        fl._gemm(buf, x, w.t(), cfg)
+
+    def cublas_rows():
+        fl._gemm(buf, x, w.t(), cfg)
+        buf[:, VOCAB:].fill_(float("-inf"))
+        triton_kernels._exp_rows_kernel[(min(n, programs),)](
+            buf, y, gw, losses, f, n, V, VOCAB, V, buf.stride(0), -100,
+            G_PER_ROW=False, WRITE_G=True, REBASE=fl.REBASE, BV=cfg["BV"], INTERPRETED=False,
+            **options,
+        )  # fmt: skip
+
+    def epilogue(name):
+        def run():
+            set_config(name)
+            state = exp_gemm.scratch(n, V, x.device)
+            exp_gemm.start(x, w, y, buf, state, vocab_size=VOCAB, ignore_index=-100)
+            exp_gemm.finish(
+                buf, y, gw, state, losses, f, vocab_size=VOCAB, ignore_index=-100,
+                g_per_row=False, want_grad=True,
+            )  # fmt: skip
+
+        return run
+
+    e_ref, f_ref, loss_ref = exp_gemm.exp_logits_reference(
+        x, w, y, gw, vocab_size=VOCAB, ignore_index=-100
+    )
+    g_ref = e_ref * f_ref[:, None]
+    errors = {}
+    for name in configs:
+        try:
+            epilogue(name)()
+            torch.cuda.synchronize()
+            G = buf.float() * f[:, None]
+            errors[name] = (
+                ((G - g_ref).norm() / g_ref.norm()).item(),
+                (losses - loss_ref).abs().max().item(),
+            )
+        except Exception as e:  # a configuration that does not compile or fit: report it
+            errors[name] = repr(e)[:120]
+    del e_ref, g_ref
+    cases = {"cuBLAS GEMM": cublas, "cuBLAS GEMM + _exp_rows_kernel": cublas_rows}
+    cases.update({name: epilogue(name) for name in configs if not isinstance(errors[name], str)})
+    return cases, errors, 2 * n * D * V
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--configs", default="all")
+    ap.add_argument("--e2e", action="store_true")
+    args = ap.parse_args()
+    configs = list(CONFIGS) if args.configs == "all" else args.configs.split(";")
+    saved = dict(exp_gemm.LAUNCH["cuda"])
+    print(f"triton {triton.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    for label, (n, D) in CHUNKS.items():
+        cases, errors, flop = chunk_cases(n, D, configs)
+        times = {k: [] for k in cases}
+        for _ in range(args.repeats):
+            for k, fn in cases.items():
+                times[k].append(events(fn))
+        print(f"\n{label}, D {D}: ms per chunk (median of {args.repeats}), TFLOP/s of the GEMM")
+        print("| case | ms | TFLOP/s | err G | err loss |")
+        print("|---|---|---|---|---|")
+        for k, ts in times.items():
+            ms = statistics.median(ts)
+            err = errors.get(k, ("", ""))
+            e = f"{err[0]:.1e} | {err[1]:.1e}" if err[0] != "" else " | "
+            print(f"| {k} | {ms:.4f} | {flop / ms / 1e9:.0f} | {e} |")
+        for k, err in errors.items():
+            if isinstance(err, str):
+                print(f"| {k} | failed: {err} | | | |")
+    exp_gemm.LAUNCH["cuda"].update(saved)
+    if not args.e2e:
+        return
+    compiled = torch.compile(linear_cross_entropy_reference)
+    for shape in ("124M", "1558M"):
+        x, w, t = make_inputs(*SHAPES[shape])
+        t = t.clamp(max=VOCAB - 1)
+        w32 = w.float()
+
+        def ours(a, b, c):
+            return fused_linear_cross_entropy(a, b, c, vocab_size=VOCAB)
+
+        runs = {
+            "torch.compile": (FwdBwd(master_weight(compiled), x, w32, t), {}),
+            "ours logits=cublas": (FwdBwd(master_weight(ours), x, w32, t), dict(logits="cublas")),
+            "ours logits=triton": (FwdBwd(master_weight(ours), x, w32, t), dict(logits="triton")),
+        }
+        times = {k: [] for k in runs}
+        for _ in range(args.repeats):
+            for k, (run, over) in runs.items():
+                with configured(None, **over):
+                    times[k].append(timed(run, 10, hide_host=True))
+        print(f"\n{shape}, fp32 master w under autocast: fwd+bwd GPU ms per repeat")
+        print("| case | GPU ms |")
+        print("|---|---|")
+        for k, ts in times.items():
+            print(f"| {k} | {' / '.join(f'{v:.2f}' for v in ts)} |")
+
+
+if __name__ == "__main__":
+    main()

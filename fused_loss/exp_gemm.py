@@ -1,0 +1,273 @@
+"""The logits GEMM with the single-read row pass in its epilogue: E = exp(x @ w.T - c), never z.
+
+Dims as in triton_kernels.py: a chunk of n rows x (n, D), w (V, D), targets y (n,), Vr =
+vocab_size real columns. The single-read kernel (_exp_rows_kernel) reads the chunk's bf16
+logits z from a buffer and writes E = exp(z - c) back over them, c one reference per row. Here
+the logits GEMM's epilogue writes E directly from its fp32 accumulators, so the buffer is written
+once and never read by a row pass. That needs c before the GEMM; it is the target's logit,
+
+    c_n = x_n . w_{y_n}   (fp32, _target_logit_kernel; 0 for ignored and out-of-range targets)
+
+which no row's max is below, so the row's largest E is >= 1 and nothing that matters underflows.
+A row whose max is far above its target's (a loss above REBASE nats) could overflow exp, so
+each (row, tile) of BN columns picks its own base c_n + k REBASE, k >= 0 the fewest steps that
+keep the tile's largest exponent <= REBASE, and stores k with the tile's partial sum s:
+
+    epilogue, per tile t:  k_t = max(0, ceil((max_v z - c - REBASE) / REBASE))
+                           E = exp(z - c - k_t REBASE)  (0 in padded columns and dead rows)
+                           s_t = sum_v E                (fp32, before E is rounded to bf16)
+    finish, per row:       K = max_t k_t,  S = sum_t s_t exp((k_t - K) REBASE)
+                           loss = K REBASE + log S     (= lse - c, and c is the target logit)
+                           f = g / S;  E_y = exp(-K REBASE) - S   (the one-hot, in fp32)
+                           tiles with k_t < K: E *= exp((k_t - K) REBASE)   (rare)
+
+after which the buffer and f are what _exp_rows_kernel leaves: G = diag(f) E. Dead rows (ignored
+targets, and out-of-range ones, whose loss is NaN) get E = 0 and f = 0: no gradient.
+
+Unlike _exp_rows_kernel, E and S come from the unrounded fp32 logits, so the loss does not carry
+the bf16 rounding of z (torch's bf16 path does; the error against an fp32 reference is smaller).
+
+The GEMM is persistent (one program per SM, tiles column-major so that the programs running at
+once share the columns of w they read) and loads its operands through TMA descriptors; under the
+CPU interpreter it runs the same code with fp32 operands (the interpreter's bf16 tl.dot is wrong
+in triton 3.9). exp_logits_reference() is the same math in torch.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_loss.triton_kernels import LOG2E, _cast, _row_loss, _row_weight, _target
+
+REBASE = 64.0  # nats: E <= e^64 and S <= V e^64 stay finite in bf16 / fp32
+
+# tiles and launch of the GEMM, by device ("cpu": the interpreter, small tiles)
+LAUNCH = {
+    "cuda": dict(
+        BM=128, BN=256, BK=64, num_warps=8, num_stages=3, per_sm=1, flatten=True, tma_store=True
+    ),
+    "cpu": dict(
+        BM=16, BN=16, BK=16, num_warps=1, num_stages=1, per_sm=1, flatten=True, tma_store=True
+    ),
+}
+
+
+def applies(x, w):
+    """The GEMM's TMA descriptors need 16-byte aligned rows and bases, and Hopper or later."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
+        return False
+    if x.shape[1] % 8 or w.shape[0] % 8 or x.data_ptr() % 16 or w.data_ptr() % 16:
+        return False
+    return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+@triton.jit
+def _target_logit_kernel(
+    x_ptr,  # (n, D)
+    w_ptr,  # (V, D)
+    y_ptr,  # (n,) int64
+    c_ptr,  # (n,) fp32 out: x_n . w_{y_n}, 0 where the target is ignored or out of range
+    D,
+    vocab_size,
+    ignore_index,
+    BD: tl.constexpr,  # >= D
+):
+    r = tl.program_id(0)
+    y, valid, ok = _target(y_ptr, r, vocab_size, ignore_index)
+    d = tl.arange(0, BD)
+    x = tl.load(x_ptr + tl.cast(r, tl.int64) * D + d, mask=d < D, other=0.0).to(tl.float32)
+    w_row = w_ptr + tl.cast(tl.where(ok, y, 0), tl.int64) * D
+    w = tl.load(w_row + d, mask=d < D, other=0.0).to(tl.float32)
+    tl.store(c_ptr + r, tl.where(ok, tl.sum(x * w, axis=0), 0.0))
+
+
+@triton.jit
+def _exp_logits_kernel(
+    x_desc,  # (n, D) block [BM, BK]
+    w_desc,  # (V, D) block [BN, BK]
+    e_desc,  # (n, V) out, block [BM, BN]: E (0 in padded columns and dead rows)
+    e_ptr,  # the same (n, V), contiguous, for TMA_STORE=False
+    c_ptr,  # (n,) fp32 reference per row
+    y_ptr,  # (n,) int64
+    s_ptr,  # (n, T) fp32 out: partial sums per tile
+    k_ptr,  # (n, T) int32 out: base steps per tile
+    n_rows,
+    V,
+    D,
+    vocab_size,
+    ignore_index,
+    REBASE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    num_m = tl.cdiv(n_rows, BM)
+    tiles = num_m * tl.cdiv(V, BN)
+    T = tl.cdiv(V, BN)
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN):
+        pid_m = tile % num_m  # column-major: the programs at work share w's tiles
+        pid_n = tile // num_m
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            a = x_desc.load([pid_m * BM, k0])
+            b = w_desc.load([pid_n * BN, k0])
+            if INTERPRETED:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        in_rows = rows < n_rows
+        y = tl.load(y_ptr + rows, mask=in_rows, other=ignore_index)
+        live = (y != ignore_index) & (y >= 0) & (y < vocab_size)
+        c = tl.load(c_ptr + rows, mask=in_rows, other=0.0)
+        t = tl.where((cols < vocab_size)[None, :], acc - c[:, None], float("-inf"))
+        k = tl.maximum(tl.ceil((tl.max(t, axis=1) - REBASE) / REBASE), 0.0)
+        e = tl.exp2((t - (k * REBASE)[:, None]) * LOG2E)
+        e = tl.where(live[:, None], e, 0.0)
+        tl.store(s_ptr + rows * T + pid_n, tl.sum(e, axis=1), mask=in_rows)
+        tl.store(k_ptr + rows * T + pid_n, k.to(tl.int32), mask=in_rows)
+        if TMA_STORE:
+            e_desc.store([pid_m * BM, pid_n * BN], _cast(e, e_desc.dtype, INTERPRETED))
+        else:
+            e_ptrs = e_ptr + rows[:, None].to(tl.int64) * V + cols[None, :]
+            mask = in_rows[:, None] & (cols < V)[None, :]
+            tl.store(e_ptrs, _cast(e, e_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+@triton.jit
+def _exp_finish_kernel(
+    e_ptr,  # (n, V) E of the chunk; the one-hot folded in, rare tiles rebased
+    y_ptr,  # (n,) int64
+    g_ptr,  # (1,) or (n,) fp32
+    s_ptr,  # (n, T) fp32
+    k_ptr,  # (n, T) int32
+    loss_ptr,  # (n,) fp32 out
+    f_ptr,  # (n,) fp32 out: g / S (0 for dead rows)
+    V,
+    T,
+    stride_e,
+    vocab_size,
+    ignore_index,
+    REBASE: tl.constexpr,
+    BN: tl.constexpr,
+    BT: tl.constexpr,  # >= T
+    G_PER_ROW: tl.constexpr,
+    WRITE_G: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    r = tl.program_id(0)
+    r64 = tl.cast(r, tl.int64)
+    y, valid, ok = _target(y_ptr, r, vocab_size, ignore_index)
+    ts = tl.arange(0, BT)
+    k = tl.load(k_ptr + r64 * T + ts, mask=ts < T, other=0)
+    s = tl.load(s_ptr + r64 * T + ts, mask=ts < T, other=0.0)
+    K = tl.max(k, axis=0)
+    S = tl.sum(s * tl.exp2((k - K).to(tl.float32) * (REBASE * LOG2E)), axis=0)
+    lse = K * REBASE + tl.log(tl.where(S > 0, S, 1.0))  # lse - c; S = 0 in dead rows
+    tl.store(loss_ptr + r, _row_loss(valid, ok, lse, 0.0))
+    if WRITE_G:
+        live = valid & ok
+        f = tl.where(live, _row_weight(g_ptr, r, valid, G_PER_ROW) / S, 0.0)
+        tl.store(f_ptr + r, f)
+        e_row = e_ptr + r64 * stride_e
+        out_ty = e_ptr.dtype.element_ty
+        lanes = tl.arange(0, BN)
+        if K > 0:  # rare: tiles below the row's base are rescaled to it
+            for t in range(0, T):
+                kt = tl.load(k_ptr + r64 * T + t)
+                if kt < K:
+                    scale = tl.exp2((kt - K).to(tl.float32) * (REBASE * LOG2E))
+                    cols = t * BN + lanes
+                    old = tl.load(e_row + cols, mask=cols < V, other=0.0).to(tl.float32)
+                    tl.store(e_row + cols, _cast(old * scale, out_ty, INTERPRETED), mask=cols < V)
+            # the one-hot below goes to an element another thread may have just stored: without
+            # the barrier the two stores land in either order (seen on the H200: RESULTS §1)
+            tl.debug_barrier()
+        if live:  # G_y = f (E_y - S) = g (p_y - 1), E_y = exp(c - base) in fp32, not the rounded
+            e_y = tl.exp2(-K.to(tl.float32) * (REBASE * LOG2E))
+            tl.store(e_row + y, _cast(e_y - S, out_ty, INTERPRETED))
+
+
+@functools.cache
+def _programs(device_index, per_sm):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count * per_sm
+
+
+def scratch(n, V, device):
+    """The per-chunk state between start() and finish(): c (n,), s and k (n, T)."""
+    T = triton.cdiv(V, LAUNCH["cuda" if device.type == "cuda" else "cpu"]["BN"])
+    return (
+        torch.empty(n, device=device, dtype=torch.float32),
+        torch.empty((n, T), device=device, dtype=torch.float32),
+        torch.empty((n, T), device=device, dtype=torch.int32),
+    )
+
+
+def start(x, w, y, e, state, *, vocab_size, ignore_index):
+    """Queue the target logits and the GEMM of one chunk: e (n, V) = E, state = scratch(>= n).
+
+    x (n, D), w (V, D) in one 16-bit dtype (applies()), y (n,) int64, e (n, V) with rows of
+    stride V (a view of the launcher's buffer).
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor  # triton >= 3.3
+
+    n, D = x.shape
+    V = w.shape[0]
+    cuda = x.device.type == "cuda"
+    cfg = LAUNCH["cuda" if cuda else "cpu"]
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    c, s, k = state
+    _target_logit_kernel[(n,)](
+        x, w, y, c, D, vocab_size, ignore_index, BD=triton.next_power_of_2(D)
+    )
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [BM, BK])
+    w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [BN, BK])
+    e_desc = TensorDescriptor(e, list(e.shape), list(e.stride()), [BM, BN])
+    tiles = triton.cdiv(n, BM) * s.shape[1]
+    programs = min(tiles, _programs(x.device.index, cfg["per_sm"]) if cuda else tiles)
+    _exp_logits_kernel[(programs,)](
+        x_desc, w_desc, e_desc, e, c, y, s, k, n, V, D, vocab_size, ignore_index,
+        REBASE=REBASE, BM=BM, BN=BN, BK=BK, PROGRAMS=programs, INTERPRETED=not cuda,
+        FLATTEN=cfg["flatten"], TMA_STORE=cfg["tma_store"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+def finish(e, y, g, state, losses, f, *, vocab_size, ignore_index, g_per_row, want_grad):
+    """After start(): losses (n,) and, when want_grad, f (n,) and e = G / f (the one-hot in)."""
+    n, V = e.shape
+    _, s, k = state
+    T = s.shape[1]
+    cuda = e.device.type == "cuda"
+    _exp_finish_kernel[(n,)](
+        e, y, g, s, k, losses, f, V, T, e.stride(0), vocab_size, ignore_index,
+        REBASE=REBASE, BN=LAUNCH["cuda" if cuda else "cpu"]["BN"], BT=triton.next_power_of_2(T),
+        G_PER_ROW=g_per_row, WRITE_G=want_grad, INTERPRETED=not cuda,
+    )  # fmt: skip
+
+
+def exp_logits_reference(x, w, y, g, *, vocab_size, ignore_index):
+    """The same in torch (fp32): (E with the one-hot folded in, f, losses), REBASE never taken.
+
+    Valid only where no row's max logit passes its target's by REBASE nats."""
+    z = x.float() @ w.float().T
+    live = (y != ignore_index) & (y >= 0) & (y < vocab_size)
+    y0 = torch.where(live, y, 0)
+    c = torch.where(live, z.gather(1, y0[:, None])[:, 0], 0.0)
+    e = torch.exp(z - c[:, None])
+    e[:, vocab_size:] = 0
+    e[~live] = 0
+    S = e.sum(1)
+    valid = y != ignore_index
+    loss = torch.where(valid, torch.where(live, S.log(), float("nan")), 0.0)
+    gw = g if g.numel() > 1 else g.expand(len(y))
+    f = torch.where(live, gw / S, 0.0)
+    rows = torch.nonzero(live)[:, 0]
+    e[rows, y[rows]] = 1.0 - S[rows]
+    return e, f, loss
