@@ -43,7 +43,9 @@ from fused_loss.triton_kernels import LOG2E, _cast, _row_loss, _row_weight, _tar
 
 REBASE = 64.0  # nats: E <= e^64 and S <= V e^64 stay finite in bf16 / fp32
 
-# tiles and launch of the GEMM, by device ("cpu": the interpreter, small tiles)
+# tiles and launch of the GEMM, by device ("cpu": the interpreter, small tiles); the timings of
+# other tiles, stages, pointer stores instead of TMA's and an unflattened loop: bench/RESULTS.md
+# §1, design v4
 LAUNCH = {
     "cuda": dict(
         BM=128, BN=256, BK=64, num_warps=8, num_stages=3, per_sm=1, flatten=True, tma_store=True
