@@ -25,7 +25,7 @@ xdist=()  # the GPU tests are independent: several processes share the one GPU
 $py -c "import xdist" 2>/dev/null && xdist=(-n "${WORKERS:-4}")
 
 start=$(date +%s)
-$py -m pytest -q -m gpu tests/ -p no:cacheprovider "${xdist[@]}" 2>&1 | tee "$out/gate_pytest.txt"
+$py -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=12 "${xdist[@]}" 2>&1 | tee "$out/gate_pytest.txt"
 rc_tests=${PIPESTATUS[0]}
 tests_s=$(($(date +%s) - start))
 
