@@ -1,11 +1,28 @@
 """Input validation shared by the fused kernel and the torch reference."""
 
+import math
+
 import torch
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_inputs(x, weight, targets, ignore_index, reduction, vocab_size):
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_inputs(
+    x,
+    weight,
+    targets,
+    ignore_index,
+    reduction,
+    vocab_size,
+    bias=None,
+    softcap=None,
+    z_loss=0.0,
+    label_smoothing=0.0,
+):
     """Raise a ValueError/TypeError naming the problem; return the effective vocab size.
 
     Target values are range-checked only for CPU tensors outside torch.compile: on the GPU that
@@ -42,6 +59,19 @@ def check_inputs(x, weight, targets, ignore_index, reduction, vocab_size):
         vocab_size = V
     if not 0 < vocab_size <= V:
         raise ValueError(f"vocab_size must be in [1, V={V}], got {vocab_size}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"bias must be a floating point tensor, got {type(bias).__name__}")
+        if tuple(bias.shape) != (V,):
+            raise ValueError(f"bias must be (V,) = ({V},), got shape {tuple(bias.shape)}")
+        if bias.device != weight.device:
+            raise ValueError(f"bias must be on weight's device {weight.device}, not {bias.device}")
+    if softcap is not None and not (_number(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    if not (_number(z_loss) and z_loss >= 0):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
+    if not (_number(label_smoothing) and 0 <= label_smoothing <= 1):
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if targets.device.type == "cpu" and targets.numel() > 0 and not torch.compiler.is_compiling():

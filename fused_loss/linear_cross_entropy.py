@@ -404,7 +404,18 @@ torch.library.register_autograd("fused_loss::lce_forward", _backward, setup_cont
 
 
 def fused_linear_cross_entropy(
-    x, weight, targets, *, ignore_index=-100, reduction="mean", vocab_size=None
+    x,
+    weight,
+    targets,
+    *,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    vocab_size=None,
+    softcap=None,
+    z_loss=0.0,
+    label_smoothing=0.0,
+    return_lse=False,
 ):
     """Cross-entropy of softmax(x @ weight[:vocab_size].T) at `targets`, without the logits.
 
@@ -415,16 +426,16 @@ def fused_linear_cross_entropy(
     each input's own dtype. CUDA tensors run the Triton kernels; CPU tensors run them under the
     Triton interpreter when TRITON_INTERPRET=1, else the torch reference (as does float64).
     """
+    kw = dict(
+        bias=bias, ignore_index=ignore_index, reduction=reduction, vocab_size=vocab_size,
+        softcap=softcap, z_loss=z_loss, label_smoothing=label_smoothing, return_lse=return_lse,
+    )  # fmt: skip
+    features = bias is not None or softcap is not None or z_loss or label_smoothing or return_lse
+    if features:  # TEMPORARY: the kernels do not take these yet
+        return linear_cross_entropy_reference(x, weight, targets, **kw)
     vocab_size = check_inputs(x, weight, targets, ignore_index, reduction, vocab_size)
     if (x.device.type != "cuda" and not interpreting()) or torch.float64 in (x.dtype, weight.dtype):
-        return linear_cross_entropy_reference(
-            x,
-            weight,
-            targets,
-            ignore_index=ignore_index,
-            reduction=reduction,
-            vocab_size=vocab_size,
-        )
+        return linear_cross_entropy_reference(x, weight, targets, **kw)
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
     want_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
