@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_loss.triton_kernels import LOG2E, _cast, _row_loss, _row_weight, _target
+from fused_loss.triton_kernels import LOG2E, _cast, _logits, _row_loss, _row_weight, _tanh, _target
 
 REBASE = 64.0  # nats: E <= e^64 and S <= V e^64 stay finite in bf16 / fp32
 
@@ -72,19 +72,24 @@ def _target_logit_kernel(
     x_ptr,  # (n, D)
     w_ptr,  # (V, D)
     y_ptr,  # (n,) int64
-    c_ptr,  # (n,) fp32 out: x_n . w_{y_n}, 0 where the target is ignored or out of range
+    c_ptr,  # (n,) fp32 out: u_{n, y_n}, 0 where the target is ignored or out of range
+    b_ptr,  # (V,) bias, when HAS_BIAS
+    softcap,
     D,
     vocab_size,
     ignore_index,
     BD: tl.constexpr,  # >= D
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     r = tl.program_id(0)
     y, valid, ok = _target(y_ptr, r, vocab_size, ignore_index)
     d = tl.arange(0, BD)
     x = tl.load(x_ptr + tl.cast(r, tl.int64) * D + d, mask=d < D, other=0.0).to(tl.float32)
-    w_row = w_ptr + tl.cast(tl.where(ok, y, 0), tl.int64) * D
-    w = tl.load(w_row + d, mask=d < D, other=0.0).to(tl.float32)
-    tl.store(c_ptr + r, tl.where(ok, tl.sum(x * w, axis=0), 0.0))
+    y0 = tl.where(ok, y, 0)
+    w = tl.load(w_ptr + tl.cast(y0, tl.int64) * D + d, mask=d < D, other=0.0).to(tl.float32)
+    u = _logits(tl.sum(x * w, axis=0), y0, vocab_size, b_ptr, softcap, HAS_BIAS, SOFTCAP)
+    tl.store(c_ptr + r, tl.where(ok, u, 0.0))
 
 
 @triton.jit
@@ -97,12 +102,16 @@ def _exp_logits_kernel(
     y_ptr,  # (n,) int64
     s_ptr,  # (n, T) fp32 out: partial sums per tile
     k_ptr,  # (n, T) int32 out: base steps per tile
+    b_ptr,  # (V,) bias, when HAS_BIAS
+    softcap,
     n_rows,
     V,
     D,
     vocab_size,
     ignore_index,
     REBASE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -130,11 +139,21 @@ def _exp_logits_kernel(
         y = tl.load(y_ptr + rows, mask=in_rows, other=ignore_index)
         live = (y != ignore_index) & (y >= 0) & (y < vocab_size)
         c = tl.load(c_ptr + rows, mask=in_rows, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+        if SOFTCAP:
+            acc = softcap * _tanh(acc / softcap)
         t = tl.where((cols < vocab_size)[None, :], acc - c[:, None], float("-inf"))
-        k = tl.maximum(tl.ceil((tl.max(t, axis=1) - REBASE) / REBASE), 0.0)
+        # live rows: base >= c (their max is >= c); dead rows (c = 0) may go lower, so that
+        # their sums (the lse of every row) do not underflow
+        k = tl.ceil((tl.max(t, axis=1) - REBASE) / REBASE)
+        k = tl.maximum(k, tl.where(live, 0.0, -1e6))
         e = tl.exp2((t - (k * REBASE)[:, None]) * LOG2E)
-        e = tl.where(live[:, None], e, 0.0)
         tl.store(s_ptr + rows * T + pid_n, tl.sum(e, axis=1), mask=in_rows)
+        e = tl.where(live[:, None], e, 0.0)
+        if SOFTCAP:  # G carries du/dz = 1 - (u / softcap)^2
+            a = acc / softcap
+            e = e * (1.0 - a * a)
         tl.store(k_ptr + rows * T + pid_n, k.to(tl.int32), mask=in_rows)
         if TMA_STORE:
             e_desc.store([pid_m * BM, pid_n * BN], _cast(e, e_desc.dtype, INTERPRETED))
@@ -153,6 +172,10 @@ def _exp_finish_kernel(
     k_ptr,  # (n, T) int32
     loss_ptr,  # (n,) fp32 out
     f_ptr,  # (n,) fp32 out: g / S (0 for dead rows)
+    c_ptr,  # (n,) fp32: the target logits of start()
+    lse_ptr,  # (n,) fp32 out, when WRITE_LSE
+    softcap,
+    z_loss,
     V,
     T,
     stride_e,
@@ -163,6 +186,9 @@ def _exp_finish_kernel(
     BT: tl.constexpr,  # >= T
     G_PER_ROW: tl.constexpr,
     WRITE_G: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    Z_LOSS: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -173,16 +199,21 @@ def _exp_finish_kernel(
     s = tl.load(s_ptr + r64 * T + ts, mask=ts < T, other=0.0)
     K = tl.max(k, axis=0)
     S = tl.sum(s * tl.exp2((k - K).to(tl.float32) * (REBASE * LOG2E)), axis=0)
-    lse = K * REBASE + tl.log(tl.where(S > 0, S, 1.0))  # lse - c; S = 0 in dead rows
-    tl.store(loss_ptr + r, _row_loss(valid, ok, lse, 0.0))
+    lse_c = K * REBASE + tl.log(S)  # lse - c
+    lse = tl.load(c_ptr + r) + lse_c
+    ce = lse_c + z_loss * lse * lse if Z_LOSS else lse_c
+    tl.store(loss_ptr + r, _row_loss(valid, ok, ce, 0.0))
+    if WRITE_LSE:
+        tl.store(lse_ptr + r, lse)
     if WRITE_G:
         live = valid & ok
-        f = tl.where(live, _row_weight(g_ptr, r, valid, G_PER_ROW) / S, 0.0)
+        coef = 1.0 + 2.0 * z_loss * lse if Z_LOSS else 1.0  # d(z-loss)/du = 2 z_loss lse p
+        f = tl.where(live, _row_weight(g_ptr, r, valid, G_PER_ROW) * coef / S, 0.0)
         tl.store(f_ptr + r, f)
         e_row = e_ptr + r64 * stride_e
         out_ty = e_ptr.dtype.element_ty
         lanes = tl.arange(0, BN)
-        if K > 0:  # rare: tiles below the row's base are rescaled to it
+        if live & (K > 0):  # rare: tiles below the row's base are rescaled to it
             for t in range(0, T):
                 kt = tl.load(k_ptr + r64 * T + t)
                 if kt < K:
@@ -193,9 +224,13 @@ def _exp_finish_kernel(
             # the one-hot below goes to an element another thread may have just stored: without
             # the barrier the two stores land in either order (seen on the H200: RESULTS §1)
             tl.debug_barrier()
-        if live:  # G_y = f (E_y - S) = g (p_y - 1), E_y = exp(c - base) in fp32, not the rounded
-            e_y = tl.exp2(-K.to(tl.float32) * (REBASE * LOG2E))
-            tl.store(e_row + y, _cast(e_y - S, out_ty, INTERPRETED))
+        if live:  # G_y = f (E_y - S / coef) = g (coef p_y - 1), E_y = exp(c - base) in fp32,
+            e_y = tl.exp2(-K.to(tl.float32) * (REBASE * LOG2E))  # not the rounded one
+            hot = e_y - S / coef if Z_LOSS else e_y - S
+            if SOFTCAP:
+                a = tl.load(c_ptr + r) / softcap
+                hot = hot * (1.0 - a * a)
+            tl.store(e_row + y, _cast(hot, out_ty, INTERPRETED))
 
 
 @functools.cache
@@ -213,11 +248,12 @@ def scratch(n, V, device):
     )
 
 
-def start(x, w, y, e, state, *, vocab_size, ignore_index):
+def start(x, w, y, e, state, *, vocab_size, ignore_index, bias=None, softcap=None):
     """Queue the target logits and the GEMM of one chunk: e (n, V) = E, state = scratch(>= n).
 
     x (n, D), w (V, D) in one 16-bit dtype (applies()), y (n,) int64, e (n, V) with rows of
-    stride V (a view of the launcher's buffer).
+    stride V (a view of the launcher's buffer); bias (V,) contiguous or None; softcap a float or
+    None (then E carries the tanh's derivative: G = diag(f) E still).
     """
     from triton.tools.tensor_descriptor import TensorDescriptor  # triton >= 3.3
 
@@ -227,32 +263,44 @@ def start(x, w, y, e, state, *, vocab_size, ignore_index):
     cfg = LAUNCH["cuda" if cuda else "cpu"]
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     c, s, k = state
+    options = dict(
+        b_ptr=c if bias is None else bias, softcap=softcap or 0.0, HAS_BIAS=bias is not None,
+        SOFTCAP=softcap is not None,
+    )  # fmt: skip
     _target_logit_kernel[(n,)](
-        x, w, y, c, D, vocab_size, ignore_index, BD=triton.next_power_of_2(D)
-    )
+        x, w, y, c, D=D, vocab_size=vocab_size, ignore_index=ignore_index,
+        BD=triton.next_power_of_2(D), **options,
+    )  # fmt: skip
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [BM, BK])
     w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [BN, BK])
     e_desc = TensorDescriptor(e, list(e.shape), list(e.stride()), [BM, BN])
     tiles = triton.cdiv(n, BM) * s.shape[1]
     programs = min(tiles, _programs(x.device.index, cfg["per_sm"]) if cuda else tiles)
     _exp_logits_kernel[(programs,)](
-        x_desc, w_desc, e_desc, e, c, y, s, k, n, V, D, vocab_size, ignore_index,
-        REBASE=REBASE, BM=BM, BN=BN, BK=BK, PROGRAMS=programs, INTERPRETED=not cuda,
+        x_desc, w_desc, e_desc, e, c, y, s, k, n_rows=n, V=V, D=D, vocab_size=vocab_size,
+        ignore_index=ignore_index, REBASE=REBASE, **options, BM=BM, BN=BN, BK=BK,
+        PROGRAMS=programs, INTERPRETED=not cuda,
         FLATTEN=cfg["flatten"], TMA_STORE=cfg["tma_store"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
-def finish(e, y, g, state, losses, f, *, vocab_size, ignore_index, g_per_row, want_grad):
-    """After start(): losses (n,) and, when want_grad, f (n,) and e = G / f (the one-hot in)."""
+def finish(
+    e, y, g, state, losses, f, *, vocab_size, ignore_index, g_per_row, want_grad,
+    softcap=None, z_loss=0.0, lse=None,
+):  # fmt: skip
+    """After start(): losses (n,) (with z_loss * lse^2) and, when want_grad, f (n,) and
+    e = G / f (the one-hot in); lse (n,) fp32 out unless None."""
     n, V = e.shape
-    _, s, k = state
+    c, s, k = state
     T = s.shape[1]
     cuda = e.device.type == "cuda"
     _exp_finish_kernel[(n,)](
-        e, y, g, s, k, losses, f, V, T, e.stride(0), vocab_size, ignore_index,
+        e, y, g, s, k, losses, f, c, losses if lse is None else lse, softcap or 0.0, z_loss,
+        V, T, e.stride(0), vocab_size, ignore_index,
         REBASE=REBASE, BN=LAUNCH["cuda" if cuda else "cpu"]["BN"], BT=triton.next_power_of_2(T),
-        G_PER_ROW=g_per_row, WRITE_G=want_grad, INTERPRETED=not cuda,
+        G_PER_ROW=g_per_row, WRITE_G=want_grad, SOFTCAP=softcap is not None, Z_LOSS=z_loss != 0,
+        WRITE_LSE=lse is not None, INTERPRETED=not cuda,
     )  # fmt: skip
 
 

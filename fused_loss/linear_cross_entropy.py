@@ -12,6 +12,7 @@ epilogue (LAUNCH "logits").
 
 import functools
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -186,13 +187,18 @@ def row_kernel_setup(cfg, cuda, vocab_size, V):
     return options, order, fill, mask_cols
 
 
-def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
+def lce_pass(
+    x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row,
+    bias=None, softcap=None, z_loss=0.0, label_smoothing=0.0, want_lse=False,
+):  # fmt: skip
     """One chunked pass. x (N, D), w (V, D) (any float dtype), y (N,) int64, g: (1,) or (N,) fp32,
-    or a function returning it (called once the first GEMM is queued).
+    or a function returning it (called once the first GEMM is queued); bias (V,) or None, and
+    the other options of fused_linear_cross_entropy.
 
-    Returns per-row losses (N,) fp32 and, if want_grad, dx (N, D) in x's dtype and dw (V, D) in
-    w's dtype, the gradients of sum_n g_n loss_n. The GEMMs run in x's dtype: w is cast to it (a
-    temporary copy when they differ, e.g. an fp32 master weight under autocast).
+    Returns per-row losses (N,) fp32, lse (N,) fp32 (empty unless want_lse) and, if want_grad,
+    dx (N, D) in x's dtype, dw (V, D) in w's dtype and db (V,) in bias's (empty without bias), the
+    gradients of sum_n g_n loss_n. The GEMMs run in x's dtype: w is cast to it (a temporary copy
+    when they differ, e.g. an fp32 master weight under autocast).
     """
     dw_dtype = w.dtype
     x = x.contiguous()
@@ -202,19 +208,29 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     dev = x.device
     cuda = dev.type == "cuda"
     cfg = LAUNCH["cuda" if cuda else "cpu"]
+    has_bias = bias is not None
+    no_db = x.new_empty(0)
     if N == 0:  # no tokens: no loss terms, zero gradients
-        loss = x.new_zeros(0, dtype=torch.float32)
+        loss, lse = x.new_zeros(0, dtype=torch.float32), x.new_zeros(0, dtype=torch.float32)
         if want_grad:
-            return loss, x.new_zeros((0, D)), w.new_zeros((V, D), dtype=dw_dtype)
-        return loss, x.new_empty(0), x.new_empty(0)  # distinct: op outputs must not alias
+            db = torch.zeros_like(bias) if has_bias else no_db
+            return loss, lse, x.new_zeros((0, D)), w.new_zeros((V, D), dtype=dw_dtype), db
+        return loss, lse, x.new_empty(0), x.new_empty(0), no_db  # distinct: outputs never alias
     acc_bytes = V * D * 4 if want_grad and dw_dtype != torch.float32 else 0
     small = {} if cuda else dict(multiple=16, min_rows=16)
     n = min(chunk_rows(N, V, x.element_size(), acc_bytes, **small), N)
     n = triton.cdiv(N, triton.cdiv(N, n))  # equal chunks: no short, inefficient last one
     programs = _num_sms(dev.index) * cfg["per_sm"] if cuda and cfg["per_sm"] else n
     single = use_single_read(cfg["single_read"], x.dtype, dw_dtype)
+    # the options live in _softmax_grad_kernel and in exp_gemm's kernels (label smoothing only
+    # in the former: its constant term times the softcap's derivative is no row scale of E)
+    exp_epilogue = (
+        single and cfg["logits"] == "triton" and exp_gemm.applies(x, w) and not label_smoothing
+    )
+    options = has_bias or softcap is not None or z_loss or label_smoothing or want_lse
+    single = single and (exp_epilogue or not options)
+    bias = bias.contiguous() if has_bias else None
 
-    exp_epilogue = single and cfg["logits"] == "triton" and exp_gemm.applies(x, w)
     logits_kw = dict(vocab_size=vocab_size, ignore_index=ignore_index)
     buf = torch.empty((n, V), device=dev, dtype=x.dtype)  # z, then G (or E) of one chunk
     # the first chunk's logits GEMM is queued before the rest is set up (and g formed, when it is
@@ -222,38 +238,47 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
     args = state = None
     if exp_epilogue:
         state = exp_gemm.scratch(n, V, dev)
-        exp_gemm.start(x[:n], w, y[:n], buf, state, **logits_kw)
+        exp_gemm.start(x[:n], w, y[:n], buf, state, bias=bias, softcap=softcap, **logits_kw)
     else:
         _gemm(buf, x[:n], w.t(), cfg)
     g = g() if callable(g) else g
     losses = torch.empty(N, device=dev, dtype=torch.float32)
+    lse = torch.empty(N if want_lse else 0, device=dev, dtype=torch.float32)
     dx, dw, accs = x.new_empty(0), x.new_empty(0), []
     cast_bytes = V * D * dw_dtype.itemsize if acc_bytes else 0
     parts = accumulator_parts(V, cast_bytes, n * V * x.element_size(), align=64 if cuda else 1)
     if want_grad:
         dx = torch.empty_like(x)
         accs = [torch.empty((b - a, D), device=dev, dtype=torch.float32) for a, b in parts]
+        db_acc = torch.empty(V, device=dev, dtype=torch.float32) if has_bias else None
     if single:
         f = torch.empty(n, device=dev, dtype=torch.float32)  # row scales of a chunk
         if want_grad:
             p = torch.empty((n, D), device=dev, dtype=torch.float32)  # E @ w of a chunk
             xs_scaled = torch.empty((n, D), device=dev, dtype=x.dtype)  # f * x of a chunk
-    options, order, fill, mask_cols = row_kernel_setup(cfg, cuda, vocab_size, V)
+    row_options, order, fill, mask_cols = row_kernel_setup(cfg, cuda, vocab_size, V)
     launch = dict(
-        G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], INTERPRETED=not cuda, **options
+        G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], INTERPRETED=not cuda, **row_options
     )
     scale = dict(BD=cfg["BD"], INTERPRETED=not cuda)
+    features = dict(
+        b_ptr=losses if bias is None else bias, softcap=softcap or 0.0, z_loss=z_loss,
+        smoothing=label_smoothing, HAS_BIAS=has_bias, SOFTCAP=softcap is not None,
+        Z_LOSS=z_loss != 0, SMOOTH=label_smoothing != 0, WRITE_LSE=want_lse,
+    )  # fmt: skip
+    sums = dict(BR=32, BC=128) if cuda else dict(BR=16, BC=16)  # _column_sums_kernel
 
     for i, c0 in enumerate(range(0, N, n)):
         rows = min(n, N - c0)
         xs, z, dxs = x[c0 : c0 + rows], buf[:rows], dx[c0 : c0 + rows]
         ys, gs = y[c0 : c0 + rows], g[c0 : c0 + rows] if g_per_row else g
+        lses = lse[c0 : c0 + rows] if want_lse else None
         if exp_epilogue:  # E from the GEMM's epilogue; f = g / S, the one-hot folded in
             if i:
-                exp_gemm.start(xs, w, ys, z, state, **logits_kw)
+                exp_gemm.start(xs, w, ys, z, state, bias=bias, softcap=softcap, **logits_kw)
             exp_gemm.finish(
-                z, ys, gs, state, losses[c0 : c0 + rows], f,
-                g_per_row=g_per_row, want_grad=want_grad, **logits_kw,
+                z, ys, gs, state, losses[c0 : c0 + rows], f, g_per_row=g_per_row,
+                want_grad=want_grad, softcap=softcap, z_loss=z_loss, lse=lses, **logits_kw,
             )  # fmt: skip
         else:
             if i:  # the first one was queued above
@@ -266,9 +291,17 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
             if single:  # z -> E in place, f = g / S
                 triton_kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, **launch)
             else:  # z -> G in place
-                triton_kernels._softmax_grad_kernel[grid](*args, **order, **launch)
+                lse_out = losses if lses is None else lses
+                triton_kernels._softmax_grad_kernel[grid](
+                    *args, **order, **launch, **(features | dict(lse_ptr=lse_out))
+                )
         if not want_grad:
             continue
+        if has_bias:  # db (+)= G.T @ 1, G = diag(f) E on the single-read path
+            triton_kernels._column_sums_kernel[(triton.cdiv(V, sums["BC"]),)](
+                z, f if single else z, db_acc, rows, V, z.stride(0),
+                HAS_F=single, ACCUMULATE=i > 0, **sums,
+            )  # fmt: skip
         if single:  # dx = f * (E @ w), dw += E.T @ (f * x)
             _gemm(p[:rows], z, w, cfg)
             triton_kernels._row_scale_kernel[(rows,)](p, f, dxs, D, **scale)
@@ -278,12 +311,15 @@ def lce_pass(x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row):
             _gemm(dxs, z, w, cfg)
         _accumulate_dw(accs, parts, z.t(), xs, first=i == 0, cfg=cfg)
     del buf, z, args, state  # free the buffer before the cast allocates dw in its dtype
+    db = no_db
     if want_grad:
         casts = []
         while accs:  # cast each part, then free its fp32 accumulator
             casts.append(accs.pop(0).to(dw_dtype))
         dw = casts[0] if len(casts) == 1 else torch.cat(casts)
-    return losses, dx, dw
+        if has_bias:
+            db = db_acc.to(bias.dtype)
+    return losses, lse, dx, dw, db
 
 
 @torch.library.custom_op("fused_loss::lce_forward", mutates_args=())
@@ -291,11 +327,19 @@ def _lce_forward(
     x: torch.Tensor,
     w: torch.Tensor,
     y: torch.Tensor,
+    bias: Optional[torch.Tensor],  # noqa: UP045 (custom_op parses the annotation)
     ignore_index: int,
     vocab_size: int,
     reduction: str,
     want_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    softcap: float,
+    z_loss: float,
+    label_smoothing: float,
+    want_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse, dx, dw, db); softcap 0 is off; the gradients are those of the loss when
+    want_grad and the reduction is "mean" or "sum", else empty."""
+
     @functools.cache  # formed once, after lce_pass has queued its first GEMM
     def weight():  # "mean": 1 / (number of non-ignored targets), on device: no sync
         if reduction == "mean":
@@ -303,27 +347,25 @@ def _lce_forward(
         return torch.ones(1, device=x.device, dtype=torch.float32)
 
     grads = want_grad and reduction != "none"
-    losses, dx, dw = lce_pass(
-        x,
-        w,
-        y,
-        weight,
-        ignore_index=ignore_index,
-        vocab_size=vocab_size,
-        want_grad=grads,
-        g_per_row=False,
-    )
+    losses, lse, dx, dw, db = lce_pass(
+        x, w, y, weight, ignore_index=ignore_index, vocab_size=vocab_size, want_grad=grads,
+        g_per_row=False, bias=bias, softcap=softcap or None, z_loss=z_loss,
+        label_smoothing=label_smoothing, want_lse=want_lse,
+    )  # fmt: skip
     loss = losses if reduction == "none" else losses.sum() * weight()[0]
-    return loss, dx, dw
+    return loss, lse, dx, dw, db
 
 
 @_lce_forward.register_fake
-def _(x, w, y, ignore_index, vocab_size, reduction, want_grad):
+def _(x, w, y, bias, ignore_index, vocab_size, reduction, want_grad, softcap, z_loss,
+      label_smoothing, want_lse):  # fmt: skip
     N, D = x.shape
     loss = x.new_empty((N,) if reduction == "none" else (), dtype=torch.float32)
+    lse = x.new_empty(N if want_lse else 0, dtype=torch.float32)
     if want_grad and reduction != "none":
-        return loss, x.new_empty((N, D)), w.new_empty(w.shape)
-    return loss, x.new_empty(0), x.new_empty(0)
+        db = x.new_empty(0) if bias is None else bias.new_empty(bias.shape)
+        return loss, lse, x.new_empty((N, D)), w.new_empty(w.shape), db
+    return loss, lse, x.new_empty(0), x.new_empty(0), x.new_empty(0)
 
 
 @torch.library.custom_op("fused_loss::lce_backward_rows", mutates_args=())
@@ -331,32 +373,42 @@ def _lce_backward_rows(
     x: torch.Tensor,
     w: torch.Tensor,
     y: torch.Tensor,
+    bias: Optional[torch.Tensor],  # noqa: UP045
     grad_rows: torch.Tensor,
     ignore_index: int,
     vocab_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    softcap: float,
+    z_loss: float,
+    label_smoothing: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = grad_rows.to(torch.float32).contiguous()
-    _, dx, dw = lce_pass(
-        x, w, y, g, ignore_index=ignore_index, vocab_size=vocab_size, want_grad=True, g_per_row=True
-    )
-    return dx, dw
+    _, _, dx, dw, db = lce_pass(
+        x, w, y, g, ignore_index=ignore_index, vocab_size=vocab_size, want_grad=True,
+        g_per_row=True, bias=bias, softcap=softcap or None, z_loss=z_loss,
+        label_smoothing=label_smoothing,
+    )  # fmt: skip
+    return dx, dw, db
 
 
 @_lce_backward_rows.register_fake
-def _(x, w, y, grad_rows, ignore_index, vocab_size):
-    return x.new_empty(x.shape), w.new_empty(w.shape)
+def _(x, w, y, bias, grad_rows, ignore_index, vocab_size, softcap, z_loss, label_smoothing):
+    db = x.new_empty(0) if bias is None else bias.new_empty(bias.shape)
+    return x.new_empty(x.shape), w.new_empty(w.shape), db
 
 
-@torch.library.custom_op("fused_loss::scale_grads_", mutates_args=("dx", "dw"))
-def _scale_grads_(dx: torch.Tensor, dw: torch.Tensor, g: torch.Tensor) -> None:
-    """dx *= g, dw *= g in place for a scalar g, each product formed in fp32 and rounded once.
+@torch.library.custom_op("fused_loss::scale_grads_", mutates_args=("dx", "dw", "db"))
+def _scale_grads_(dx: torch.Tensor, dw: torch.Tensor, db: torch.Tensor, g: torch.Tensor) -> None:
+    """dx *= g, dw *= g, db *= g in place for a scalar g, each product formed in fp32 and rounded
+    once (db may be empty).
 
-    In place, so the backward holds one copy of the gradients, not two. The op bumps dx's and dw's
+    In place, so the backward holds one copy of the gradients, not two. The op bumps their
     version counters: a second backward through the same graph (retain_graph) gets autograd's
     "modified by an inplace operation" error instead of gradients scaled twice.
     """
     g = g.to(torch.float32).reshape(1)
-    for t in (dx, dw):
+    for t in (dx, dw, db):
+        if t.numel() == 0:
+            continue
         block = 4096
         triton_kernels._scale_kernel[(triton.cdiv(t.numel(), block),)](
             t, g, t, t.numel(), BLOCK=block, INTERPRETED=t.device.type != "cuda"
@@ -364,40 +416,44 @@ def _scale_grads_(dx: torch.Tensor, dw: torch.Tensor, g: torch.Tensor) -> None:
 
 
 @_scale_grads_.register_fake
-def _(dx, dw, g):
+def _(dx, dw, db, g):
     return None
 
 
 def _setup_context(ctx, inputs, output):
-    x, w, y, ignore_index, vocab_size, reduction, want_grad = inputs
-    _, dx, dw = output
+    x, w, y, bias, ignore_index, vocab_size, reduction, want_grad = inputs[:8]
+    ctx.options = inputs[8:11]  # softcap, z_loss, label_smoothing
+    _, lse, dx, dw, db = output
     ctx.reduction, ctx.ignore_index, ctx.vocab_size = reduction, ignore_index, vocab_size
-    # dx and dw are outputs only so that backward can take them; nothing downstream uses them, and
-    # materialised zero gradients for them would be a (N, D) and a (V, D) buffer for nothing
+    ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(lse)  # returned for logging; no gradient flows back through it
+    # dx, dw and db are outputs only so that backward can take them; nothing downstream uses
+    # them, and materialised zero gradients for them would be buffers the size of x and w
     ctx.set_materialize_grads(False)
     if reduction == "none":
-        ctx.save_for_backward(x, w, y)
+        ctx.save_for_backward(x, w, y, bias)
     else:
-        ctx.save_for_backward(dx, dw)
+        ctx.save_for_backward(dx, dw, db)
 
 
-def _backward(ctx, grad_loss, _grad_dx, _grad_dw):
+def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db):
+    nothing = (None,) * 12
     if grad_loss is None:  # gradients are not materialised: none reached the loss
-        return None, None, None, None, None, None, None
+        return nothing
     if ctx.reduction == "none":
-        x, w, y = ctx.saved_tensors
-        dx, dw = _lce_backward_rows(
-            x, w, y, grad_loss.reshape(-1), ctx.ignore_index, ctx.vocab_size
+        x, w, y, bias = ctx.saved_tensors
+        dx, dw, db = _lce_backward_rows(
+            x, w, y, bias, grad_loss.reshape(-1), ctx.ignore_index, ctx.vocab_size, *ctx.options
         )
     else:
-        dx, dw = ctx.saved_tensors
+        dx, dw, db = ctx.saved_tensors
         if dw.numel() == 0:  # (V, D) with V, D > 0 whenever gradients were formed
             raise RuntimeError(
                 "fused_linear_cross_entropy: forward ran without gradients; "
                 "call it with grad enabled and inputs that require grad"
             )
-        _scale_grads_(dx, dw, grad_loss)  # the saved tensors become the gradients
-    return dx, dw, None, None, None, None, None
+        _scale_grads_(dx, dw, db, grad_loss)  # the saved tensors become the gradients
+    return (dx, dw, None, db if ctx.has_bias else None) + nothing[4:]
 
 
 torch.library.register_autograd("fused_loss::lce_forward", _backward, setup_context=_setup_context)
@@ -417,35 +473,47 @@ def fused_linear_cross_entropy(
     label_smoothing=0.0,
     return_lse=False,
 ):
-    """Cross-entropy of softmax(x @ weight[:vocab_size].T) at `targets`, without the logits.
+    """Cross-entropy of softmax(u) at `targets`, u = x @ weight[:vocab_size].T + bias, capped,
+    without the (tokens, V) logits: the options and the math are linear_cross_entropy_reference's.
 
-    x: (..., D); weight: (V, D), may be an fp32 master weight while x is bf16; targets: (...) int.
-    Columns >= vocab_size are padding: out of the softmax, zero gradient, never sampled.
-    reduction: "mean" over non-ignored targets (0 if none), "sum", or "none" (shape of targets).
+    x: (..., D); weight: (V, D), may be an fp32 master weight while x is bf16; targets: (...) int;
+    bias: (V,) or None. Columns >= vocab_size are padding: out of the softmax, zero gradient,
+    never sampled. reduction: "mean" over non-ignored targets (0 if none), "sum", or "none"
+    (shape of targets). softcap: u = softcap * tanh(u / softcap) (None: off). z_loss: adds
+    z_loss * lse^2 per counted token. label_smoothing: as F.cross_entropy's, over the vocab_size
+    real columns. return_lse: also return lse (shape of targets, fp32, no gradient).
     Under autocast the matmuls run in the autocast dtype, as F.linear would. Gradients come back in
     each input's own dtype. CUDA tensors run the Triton kernels; CPU tensors run them under the
     Triton interpreter when TRITON_INTERPRET=1, else the torch reference (as does float64).
     """
+    vocab_size = check_inputs(
+        x, weight, targets, ignore_index, reduction, vocab_size, bias, softcap, z_loss,
+        label_smoothing,
+    )  # fmt: skip
     kw = dict(
         bias=bias, ignore_index=ignore_index, reduction=reduction, vocab_size=vocab_size,
         softcap=softcap, z_loss=z_loss, label_smoothing=label_smoothing, return_lse=return_lse,
     )  # fmt: skip
-    features = bias is not None or softcap is not None or z_loss or label_smoothing or return_lse
-    if features:  # TEMPORARY: the kernels do not take these yet
-        return linear_cross_entropy_reference(x, weight, targets, **kw)
-    vocab_size = check_inputs(x, weight, targets, ignore_index, reduction, vocab_size)
-    if (x.device.type != "cuda" and not interpreting()) or torch.float64 in (x.dtype, weight.dtype):
+    dtypes = (x.dtype, weight.dtype) + (() if bias is None else (bias.dtype,))
+    if (x.device.type != "cuda" and not interpreting()) or torch.float64 in dtypes:
         return linear_cross_entropy_reference(x, weight, targets, **kw)
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    want_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    loss, _, _ = _lce_forward(
+    inputs = (x, weight) + (() if bias is None else (bias,))
+    want_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    loss, lse, _, _, _ = _lce_forward(
         x.reshape(-1, x.shape[-1]),
         weight,
         targets.reshape(-1).to(torch.int64),
+        bias,
         ignore_index,
         vocab_size,
         reduction,
         want_grad,
+        float(softcap or 0.0),
+        float(z_loss),
+        float(label_smoothing),
+        bool(return_lse),
     )
-    return loss.view(targets.shape) if reduction == "none" else loss
+    loss = loss.view(targets.shape) if reduction == "none" else loss
+    return (loss, lse.view(targets.shape)) if return_lse else loss

@@ -108,6 +108,45 @@ def _row_weight(g_ptr, r, valid, G_PER_ROW: tl.constexpr):
 
 
 @triton.jit
+def _tanh(a):
+    """tanh from one exp2 of -2|a| (no overflow at any |a|; absolute error ~1e-7)."""
+    q = tl.exp2(tl.abs(a) * (-2.0 * LOG2E))
+    t = (1.0 - q) / (1.0 + q)
+    return tl.where(a < 0, -t, t)
+
+
+@triton.jit
+def _logits(z, cols, V, b_ptr, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The logits u the softmax sees, from the GEMM's z (fp32) at `cols`: z + b, capped to
+    softcap * tanh(. / softcap). -inf (a masked column) stays -inf."""
+    if HAS_BIAS:
+        z = z + tl.load(b_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        z = tl.where(z == float("-inf"), z, softcap * _tanh(z / softcap))
+    return z
+
+
+@triton.jit
+def _feature_grad(
+    p, u, hot, g, lse, vocab_size, softcap, z_loss, smoothing,
+    SOFTCAP: tl.constexpr, Z_LOSS: tl.constexpr, SMOOTH: tl.constexpr,
+):  # fmt: skip
+    """d(g loss)/dz with the options: for the real columns (u > -inf, p = exp(u - lse))
+        d/du = (1 + 2 z_loss lse) p - (1 - e) onehot - e / vocab_size,
+    times the softcap's du/dz = 1 - (u / softcap)^2; 0 elsewhere."""
+    real = u != float("-inf")
+    d = p * (1.0 + 2.0 * z_loss * lse) if Z_LOSS else p
+    if SMOOTH:
+        d = d - tl.where(hot, 1.0 - smoothing, 0.0) - tl.where(real, smoothing / vocab_size, 0.0)
+    else:
+        d = d - tl.where(hot, 1.0, 0.0)
+    if SOFTCAP:
+        c = u / softcap
+        d = tl.where(real, d * (1.0 - c * c), 0.0)
+    return g * d
+
+
+@triton.jit
 def _softmax_grad_kernel(
     z_ptr,  # (n, V) logits of the chunk, compute dtype; overwritten by G when WRITE_G
     y_ptr,  # (n,) int64 targets
@@ -119,11 +158,21 @@ def _softmax_grad_kernel(
     mask_cols,  # columns from here on are -inf: vocab_size, or V when the launcher filled them
     stride_z,
     ignore_index,
+    b_ptr,  # (V,) bias, when HAS_BIAS
+    lse_ptr,  # (n,) fp32 out: lse per row, when WRITE_LSE
+    softcap,  # when SOFTCAP
+    z_loss,  # when Z_LOSS
+    smoothing,  # label smoothing, when SMOOTH
     G_PER_ROW: tl.constexpr,
     WRITE_G: tl.constexpr,
     BV: tl.constexpr,
     PASS1_BACK: tl.constexpr,  # pass 1 from the row's last block to its first
     PASS2_BACK: tl.constexpr,  # pass 2 likewise
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    Z_LOSS: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     lanes = tl.arange(0, BV)
@@ -135,11 +184,15 @@ def _softmax_grad_kernel(
         # pass 1: per-lane running (max, sum), one exp per element, no reductions in the loop
         m = tl.full((BV,), float("-inf"), tl.float32)
         s = tl.zeros((BV,), tl.float32)
+        su = tl.zeros((BV,), tl.float32)  # sum of the real logits, for label smoothing
         n_real = tl.cdiv(mask_cols, BV)
         for i in range(0, n_real):
             v0 = (n_real - 1 - i) * BV if PASS1_BACK else i * BV
             cols = v0 + lanes
             z = _load_logits(z_row, cols, V, mask_cols)
+            z = _logits(z, cols, V, b_ptr, softcap, HAS_BIAS, SOFTCAP)
+            if SMOOTH:
+                su += tl.where(z == float("-inf"), 0.0, z)
             new_max = z > m
             e = tl.exp2(-tl.abs(z - m) * LOG2E)  # exp(m - z) on a new max, else exp(z - m)
             e = tl.where(z == float("-inf"), 0.0, e)  # masked lane (m may be -inf too: no nan)
@@ -151,8 +204,16 @@ def _softmax_grad_kernel(
 
         # the target's logit as stored (rounded like the rest): lse - z_y then cancels the
         # rounding that dominates both terms when p_y ~ 1, as torch's bf16 path does
-        z_y = tl.load(z_row + tl.where(ok, y, 0)).to(tl.float32)
-        tl.store(loss_ptr + r, _row_loss(valid, ok, lse, z_y))
+        y0 = tl.where(ok, y, 0)
+        z_y = _logits(tl.load(z_row + y0).to(tl.float32), y0, V, b_ptr, softcap, HAS_BIAS, SOFTCAP)
+        ce = lse - z_y
+        if SMOOTH:  # (1 - e)(lse - z_y) + e (lse - mean z)
+            ce += smoothing * (z_y - tl.sum(su, axis=0) / vocab_size)
+        if Z_LOSS:
+            ce += z_loss * lse * lse
+        tl.store(loss_ptr + r, _row_loss(valid, ok, ce, 0.0))
+        if WRITE_LSE:
+            tl.store(lse_ptr + r, lse)
 
         if WRITE_G:
             g = _row_weight(g_ptr, r, valid, G_PER_ROW)
@@ -163,8 +224,15 @@ def _softmax_grad_kernel(
                 v0 = (n_blocks - 1 - i) * BV if PASS2_BACK else i * BV
                 cols = v0 + lanes
                 z = _load_logits(z_row, cols, V, mask_cols)
+                z = _logits(z, cols, V, b_ptr, softcap, HAS_BIAS, SOFTCAP)
                 p = tl.exp2(z * LOG2E - lse2)  # 0 past vocab_size
-                grad = g * (p - tl.where(cols == y_hot, 1.0, 0.0))
+                if Z_LOSS or SMOOTH or SOFTCAP:
+                    grad = _feature_grad(
+                        p, z, cols == y_hot, g, lse, vocab_size, softcap, z_loss, smoothing,
+                        SOFTCAP, Z_LOSS, SMOOTH,
+                    )  # fmt: skip
+                else:
+                    grad = g * (p - tl.where(cols == y_hot, 1.0, 0.0))
                 tl.store(
                     z_row + cols, _cast(grad, z_ptr.dtype.element_ty, INTERPRETED), mask=cols < V
                 )
@@ -254,3 +322,32 @@ def _scale_kernel(src_ptr, g_ptr, dst_ptr, numel, BLOCK: tl.constexpr, INTERPRET
     g = tl.load(g_ptr)
     v = tl.load(src_ptr + offs, mask=ok, other=0.0).to(tl.float32) * g
     tl.store(dst_ptr + offs, _cast(v, dst_ptr.dtype.element_ty, INTERPRETED), mask=ok)
+
+
+@triton.jit
+def _column_sums_kernel(
+    z_ptr,  # (n, V) G of the chunk, or E when HAS_F (G = diag(f) E)
+    f_ptr,  # (n,) fp32 row scales, when HAS_F
+    out_ptr,  # (V,) fp32: the bias gradient, set (first chunk) or added to (ACCUMULATE)
+    n_rows,
+    V,
+    stride_z,
+    HAS_F: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """db_v (+)= sum_n G_nv in fp32, one program per BC columns (its own: no atomics)."""
+    cols = tl.program_id(0) * BC + tl.arange(0, BC)
+    acc = tl.zeros((BC,), tl.float32)
+    for r0 in range(0, n_rows, BR):
+        rows = r0 + tl.arange(0, BR)
+        mask = (rows < n_rows)[:, None] & (cols < V)[None, :]
+        ptrs = z_ptr + rows[:, None].to(tl.int64) * stride_z + cols[None, :]
+        tile = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_F:
+            tile = tile * tl.load(f_ptr + rows, mask=rows < n_rows, other=0.0)[:, None]
+        acc += tl.sum(tile, axis=0)
+    if ACCUMULATE:
+        acc += tl.load(out_ptr + cols, mask=cols < V, other=0.0)
+    tl.store(out_ptr + cols, acc, mask=cols < V)
