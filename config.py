@@ -7,6 +7,7 @@ Each field's one-line meaning lives in its metadata and is what `python train.py
 
 import ast
 import dataclasses
+import math
 import os
 import runpy
 import traceback
@@ -45,6 +46,7 @@ class TrainConfig:
     padded_vocab_size: int = setting(50304, "rows of wte / lm_head (a multiple of 64)")
     dropout: float = setting(0.0, "dropout probability")
     bias: bool = setting(True, "biases in Linears and LayerNorms, as GPT-2")
+    softcap: float = setting(0.0, "logits -> softcap * tanh(logits / softcap); 0: off (Gemma 2)")
     # fast paths: "fast" or "torch" (the plain PyTorch path); both compute the same math
     loss_impl: str = setting("fast", '"fast": fused linear+cross-entropy; "torch": full logits')
     mlp_impl: str = setting("fast", '"fast": the GELU in cuBLASLt epilogues; "torch": F.gelu')
@@ -62,6 +64,8 @@ class TrainConfig:
     beta1: float = setting(0.9, "AdamW beta1")
     beta2: float = setting(0.95, "AdamW beta2")
     grad_clip: float = setting(1.0, "max global grad norm (0: no clipping)")
+    # a training setting, not the model's: validation losses stay plain cross-entropy
+    z_loss: float = setting(0.0, "PaLM's z_loss * lse^2 per token, in the logged train loss too")
     # evaluation and samples (0 disables the interval; val still runs after the last step)
     eval_interval: int = setting(50, "steps between validation passes")
     val_tokens: int = setting(8192, "tokens per validation pass, split over ranks")
@@ -102,7 +106,7 @@ class TrainConfig:
 
 # TrainConfig fields that a preset sets, and all those that make up the GPTConfig
 PRESET_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padded_vocab_size")
-MODEL_KEYS = PRESET_KEYS + ("dropout", "bias", "low_precision_residual")
+MODEL_KEYS = PRESET_KEYS + ("dropout", "bias", "low_precision_residual", "softcap")
 # how a layer is computed, not what: a run may resume with other values (e.g. "torch" where
 # cuBLASLt is missing); every other model key must match the checkpoint's
 IMPL_KEYS = ("loss_impl", "mlp_impl")
@@ -226,6 +230,8 @@ def _check_ranges(cfg):
             raise ConfigError(f"config key {key!r} must be {need}, got {value!r}")
     if not 0.0 <= cfg.final_lr_frac <= 1.0:
         raise ConfigError(f"config key 'final_lr_frac' must be in [0, 1], got {cfg.final_lr_frac}")
+    if not (math.isfinite(cfg.z_loss) and cfg.z_loss >= 0):
+        raise ConfigError(f"config key 'z_loss' must be a finite number >= 0, got {cfg.z_loss!r}")
     if cfg.dtype not in ("auto", "bfloat16", "float32"):
         raise ConfigError(f"config key 'dtype': auto, bfloat16 or float32, not {cfg.dtype!r}")
     if not 0.0 < cfg.activation_memory_budget <= 1.0:

@@ -70,6 +70,9 @@ class GPTConfig:
     # where the matmuls run in bf16/fp16 on CUDA, the torch path elsewhere; "torch": F.linear +
     # F.gelu everywhere. Same math (bench/RESULTS.md §2c).
     mlp_impl: str = "fast"
+    # logits become softcap * tanh(logits / softcap), in the loss and in what forward returns
+    # (Gemma 2, modded-nanogpt); 0: off
+    softcap: float = 0.0
 
     def __post_init__(self):
         if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.n_embd) < 1:
@@ -85,6 +88,8 @@ class GPTConfig:
         self.mlp_impl = normalise_impl("mlp_impl", self.mlp_impl)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not (math.isfinite(self.softcap) and self.softcap >= 0):
+            raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {self.softcap}")
 
     @classmethod
     def from_preset(cls, name, **overrides):
@@ -258,12 +263,14 @@ class GPT(nn.Module):
                     f"{name} contains token id {bad}, outside [0, {self.config.vocab_size})"
                 )
 
-    def forward(self, idx, targets=None, *, all_positions=False):
+    def forward(self, idx, targets=None, *, z_loss=0.0, all_positions=False):
         """idx (B, T) int64 token ids.
 
-        With targets (B, T): the fp32 mean cross-entropy (targets == -100 are ignored).
+        With targets (B, T): the fp32 mean cross-entropy (targets == -100 are ignored), plus
+        z_loss * lse^2 per token (PaLM's z-loss, a training setting: evaluation leaves it 0).
         Without: logits (B, 1, vocab_size) of the last position, or (B, T, vocab_size) with
-        all_positions=True; padded columns are sliced off. Logits are returned in fp32.
+        all_positions=True; padded columns are sliced off. Logits are returned in fp32, capped
+        as the loss caps them (config.softcap).
         """
         self._check_idx(idx)
         B, T = idx.size()
@@ -282,10 +289,24 @@ class GPT(nn.Module):
                 if self.config.loss_impl == "fast"
                 else linear_cross_entropy_reference
             )
-            return loss_fn(x, self.lm_head.weight, targets, vocab_size=self.config.vocab_size)
+            return loss_fn(
+                x,
+                self.lm_head.weight,
+                targets,
+                vocab_size=self.config.vocab_size,
+                softcap=self.config.softcap or None,
+                z_loss=z_loss,
+            )
         if not all_positions:
             x = x[:, -1:, :]  # keeps the time dim; a list index would be copied to the device
-        return self.lm_head(x)[..., : self.config.vocab_size].float()
+        return self._logits(x)
+
+    def _logits(self, x):
+        """fp32 logits (..., vocab_size) of the final hidden states x (..., C): the padded
+        columns sliced off, capped in fp32 as the loss caps them."""
+        logits = self.lm_head(x)[..., : self.config.vocab_size].float()
+        cap = self.config.softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
 
     def _residual(self, x):
         """The embeddings' sum as the residual stream starts: as it is (fp32), or in the autocast
@@ -305,7 +326,7 @@ class GPT(nn.Module):
             x = block(x, cache, i)
         x = self.transformer.ln_f(x[:, -1, :])
         # the classifier stays with cuBLAS: faster than a GEMV at 50304 rows (RESULTS §3)
-        return self.lm_head(x)[:, : self.config.vocab_size].float()
+        return self._logits(x)
 
     def generate(
         self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None, **kw

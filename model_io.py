@@ -58,7 +58,7 @@ def from_hf(directory):
     """Import an HF GPT-2 directory (config.json + model.safetensors or pytorch_model.bin).
 
     HF's Conv1D weights are stored (in, out) and are transposed; the vocab is padded to a
-    multiple of 64 with zero rows. Returns a CPU fp32 model.
+    multiple of 64 with zero rows. Returns a CPU fp32 model, softcap 0 (GPT-2 has none).
     """
     directory = Path(directory)
     hf = _read_hf_config(directory)
@@ -103,6 +103,10 @@ def save_hf(model, directory):
     cfg = model.config
     if not cfg.bias:
         raise ValueError("HF GPT-2 has biases everywhere; cannot export a bias=False model")
+    if cfg.softcap:
+        raise ValueError(
+            f"HF GPT-2 has no logit softcap; cannot export a softcap={cfg.softcap} model"
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}

@@ -132,7 +132,7 @@ def evaluate(model, raw_model, cfg, val_glob, autocast, procs, print0):
     )
     with torch.no_grad(), autocast:
         for x, y in batches:
-            loss = model(x, y)
+            loss = model(x, y)  # plain cross-entropy, no z_loss: comparable between runs
             if check and count == 0:  # raw_model is in eval mode with model
                 first, eager = loss.clone(), raw_model(x, y)  # clone: CUDA-graph outputs
             total += loss
@@ -256,9 +256,10 @@ def train_step(step, lr, models, optimizer, loader, cfg, procs, autocast, grad_a
         checking = check and micro == 0
         if checking:  # eager first: no activations held yet
             with torch.no_grad(), autocast:
-                eager_loss = raw_model(x, y)
+                eager_loss = raw_model(x, y, z_loss=cfg.z_loss)
         with sharding.micro_step(train_model, raw_model, cfg.shard, sync), autocast:
-            loss = train_model(x, y) / grad_accum
+            # DDP, FSDP2 and torch.compile pass keyword arguments on to GPT.forward
+            loss = train_model(x, y, z_loss=cfg.z_loss) / grad_accum
         if checking:
             first_loss = loss.detach() * grad_accum
         loss.backward()

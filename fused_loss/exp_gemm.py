@@ -112,6 +112,7 @@ def _exp_logits_kernel(
     REBASE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    ALL_ROWS: tl.constexpr,  # the sums of dead rows too (for their lse)
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -144,13 +145,16 @@ def _exp_logits_kernel(
         if SOFTCAP:
             acc = softcap * _tanh(acc / softcap)
         t = tl.where((cols < vocab_size)[None, :], acc - c[:, None], float("-inf"))
-        # live rows: base >= c (their max is >= c); dead rows (c = 0) may go lower, so that
-        # their sums (the lse of every row) do not underflow
         k = tl.ceil((tl.max(t, axis=1) - REBASE) / REBASE)
-        k = tl.maximum(k, tl.where(live, 0.0, -1e6))
-        e = tl.exp2((t - (k * REBASE)[:, None]) * LOG2E)
-        tl.store(s_ptr + rows * T + pid_n, tl.sum(e, axis=1), mask=in_rows)
-        e = tl.where(live[:, None], e, 0.0)
+        if ALL_ROWS:  # sums of dead rows too (their lse), whose base may go below c = 0
+            k = tl.maximum(k, tl.where(live, 0.0, -1e6))
+            e = tl.exp2((t - (k * REBASE)[:, None]) * LOG2E)
+            tl.store(s_ptr + rows * T + pid_n, tl.sum(e, axis=1), mask=in_rows)
+            e = tl.where(live[:, None], e, 0.0)
+        else:  # a live row's base is >= c: its max is
+            k = tl.maximum(k, 0.0)
+            e = tl.where(live[:, None], tl.exp2((t - (k * REBASE)[:, None]) * LOG2E), 0.0)
+            tl.store(s_ptr + rows * T + pid_n, tl.sum(e, axis=1), mask=in_rows)
         if SOFTCAP:  # G carries du/dz = 1 - (u / softcap)^2
             a = acc / softcap
             e = e * (1.0 - a * a)
@@ -199,7 +203,7 @@ def _exp_finish_kernel(
     s = tl.load(s_ptr + r64 * T + ts, mask=ts < T, other=0.0)
     K = tl.max(k, axis=0)
     S = tl.sum(s * tl.exp2((k - K).to(tl.float32) * (REBASE * LOG2E)), axis=0)
-    lse_c = K * REBASE + tl.log(S)  # lse - c
+    lse_c = K * REBASE + tl.log(tl.where(S > 0, S, 1.0))  # lse - c; S = 0: a dead row's
     lse = tl.load(c_ptr + r) + lse_c
     ce = lse_c + z_loss * lse * lse if Z_LOSS else lse_c
     tl.store(loss_ptr + r, _row_loss(valid, ok, ce, 0.0))
@@ -248,12 +252,15 @@ def scratch(n, V, device):
     )
 
 
-def start(x, w, y, e, state, *, vocab_size, ignore_index, bias=None, softcap=None):
+def start(
+    x, w, y, e, state, *, vocab_size, ignore_index, bias=None, softcap=None, all_rows=False
+):  # fmt: skip
     """Queue the target logits and the GEMM of one chunk: e (n, V) = E, state = scratch(>= n).
 
     x (n, D), w (V, D) in one 16-bit dtype (applies()), y (n,) int64, e (n, V) with rows of
     stride V (a view of the launcher's buffer); bias (V,) contiguous or None; softcap a float or
-    None (then E carries the tanh's derivative: G = diag(f) E still).
+    None (then E carries the tanh's derivative: G = diag(f) E still); all_rows: the sums of
+    dead rows too, so that finish() can give every row's lse.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor  # triton >= 3.3
 
@@ -278,7 +285,7 @@ def start(x, w, y, e, state, *, vocab_size, ignore_index, bias=None, softcap=Non
     programs = min(tiles, _programs(x.device.index, cfg["per_sm"]) if cuda else tiles)
     _exp_logits_kernel[(programs,)](
         x_desc, w_desc, e_desc, e, c, y, s, k, n_rows=n, V=V, D=D, vocab_size=vocab_size,
-        ignore_index=ignore_index, REBASE=REBASE, **options, BM=BM, BN=BN, BK=BK,
+        ignore_index=ignore_index, REBASE=REBASE, **options, ALL_ROWS=all_rows, BM=BM, BN=BN, BK=BK,
         PROGRAMS=programs, INTERPRETED=not cuda,
         FLATTEN=cfg["flatten"], TMA_STORE=cfg["tma_store"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

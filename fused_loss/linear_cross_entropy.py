@@ -232,13 +232,14 @@ def lce_pass(
     bias = bias.contiguous() if has_bias else None
 
     logits_kw = dict(vocab_size=vocab_size, ignore_index=ignore_index)
+    gemm_kw = dict(bias=bias, softcap=softcap, all_rows=want_lse, **logits_kw)
     buf = torch.empty((n, V), device=dev, dtype=x.dtype)  # z, then G (or E) of one chunk
     # the first chunk's logits GEMM is queued before the rest is set up (and g formed, when it is
     # a function): the GPU starts on it while the host does the rest
     args = state = None
     if exp_epilogue:
         state = exp_gemm.scratch(n, V, dev)
-        exp_gemm.start(x[:n], w, y[:n], buf, state, bias=bias, softcap=softcap, **logits_kw)
+        exp_gemm.start(x[:n], w, y[:n], buf, state, **gemm_kw)
     else:
         _gemm(buf, x[:n], w.t(), cfg)
     g = g() if callable(g) else g
@@ -275,7 +276,7 @@ def lce_pass(
         lses = lse[c0 : c0 + rows] if want_lse else None
         if exp_epilogue:  # E from the GEMM's epilogue; f = g / S, the one-hot folded in
             if i:
-                exp_gemm.start(xs, w, ys, z, state, bias=bias, softcap=softcap, **logits_kw)
+                exp_gemm.start(xs, w, ys, z, state, **gemm_kw)
             exp_gemm.finish(
                 z, ys, gs, state, losses[c0 : c0 + rows], f, g_per_row=g_per_row,
                 want_grad=want_grad, softcap=softcap, z_loss=z_loss, lse=lses, **logits_kw,

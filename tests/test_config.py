@@ -11,7 +11,7 @@ import torch
 import checkpoint
 import optim
 import train
-from config import ConfigError, TrainConfig, grad_accum_steps, load_config
+from config import MODEL_KEYS, ConfigError, TrainConfig, grad_accum_steps, load_config
 from device import peak_flops
 from errors import run_main
 from optim import get_lr
@@ -80,12 +80,23 @@ def test_preset_sets_shape_and_explicit_keys_win():
         (["--ddp_compile=both"], "ddp_compile"),
         (["--model=gpt9"], "model"),
         (["--seed=-1"], "seed"),
+        (["--z_loss=-1e-4"], "z_loss"),
+        (["--z_loss=1e999"], "z_loss"),  # inf
         (["--shuffle=0"], "shuffle"),
     ],
 )
 def test_bad_cli_arguments_name_the_key(argv, key):
     with pytest.raises(ConfigError, match=key):
         load_config(argv)
+
+
+def test_softcap_is_a_model_setting_and_z_loss_a_training_one():
+    """softcap changes what the model computes: it goes to GPTConfig and is saved and checked on
+    resume; z_loss only changes the training objective."""
+    cfg = load_config(["--softcap=30", "--z_loss=1e-4"])
+    assert (cfg.softcap, cfg.z_loss) == (30.0, 1e-4) and isinstance(cfg.softcap, float)
+    assert "softcap" in MODEL_KEYS and "z_loss" not in MODEL_KEYS
+    assert (TrainConfig().softcap, TrainConfig().z_loss) == (0.0, 0.0)  # both off
 
 
 def test_bad_config_files(tmp_path):
@@ -124,6 +135,8 @@ def test_errors_stop_main_before_training(tmp_path):
         train.main(["--device=cpu", "--n_head=3", f"--out_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="device"):
         train.main(["--device=tpu", f"--out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="model settings: softcap must be a finite number >= 0"):
+        train.main(["--device=cpu", "--softcap=-1", f"--out_dir={tmp_path}"])
     assert not os.listdir(tmp_path)
 
 

@@ -259,7 +259,8 @@ def spills(ptx):
 
 out = {}
 for options in (False, True):  # the default, and a bias and softcap in the epilogue
-    consts = dict(REBASE=exp_gemm.REBASE, HAS_BIAS=options, SOFTCAP=options, BM=BM, BN=BN, BK=BK,
+    consts = dict(REBASE=exp_gemm.REBASE, HAS_BIAS=options, SOFTCAP=options, ALL_ROWS=options,
+                  BM=BM, BN=BN, BK=BK,
                   PROGRAMS=132, FLATTEN=cfg["flatten"], TMA_STORE=cfg["tma_store"],
                   INTERPRETED=False)
     src = ASTSource(fn=exp_gemm._exp_logits_kernel, constexprs=consts,

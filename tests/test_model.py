@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import generate
 import model_io
 from device import pick_device
 from model import GPT, GPTConfig
@@ -184,6 +185,73 @@ def test_bad_targets_give_clear_errors():
         model(idx, torch.full((2, 8), V, dtype=torch.long))
 
 
+# ---------------------------------------------------------------- softcap and z-loss
+
+
+def softcap_twins(cap, **kw):
+    """(plain, capped): the same weights, softcap 0 and softcap=cap. ln_f is scaled up so that
+    the logits reach ~4 * cap and the cap binds."""
+    plain = tiny(seed=3, **kw)
+    with torch.no_grad():
+        plain.transformer.ln_f.weight.mul_(12 * cap)
+    capped = GPT(GPTConfig(**{**asdict(plain.config), "softcap": cap}))
+    capped.load_state_dict(plain.state_dict())
+    return plain, capped
+
+
+def test_softcap_caps_the_returned_logits():
+    """forward's and _decode's logits (the ones sampled from) are softcap * tanh(z / softcap) of
+    the uncapped twin's z, so within (-softcap, softcap)."""
+    plain, capped = softcap_twins(2.0)
+    idx = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        z = plain(idx, all_positions=True)
+        assert z.abs().max() > 6.0
+        logits = capped(idx, all_positions=True)
+        assert logits.shape == (2, 9, V) and logits.abs().max() < 2.0
+        torch.testing.assert_close(logits, 2.0 * torch.tanh(z / 2.0))
+        torch.testing.assert_close(capped(idx), logits[:, -1:])
+        # the KV-cache path: a prefill of 8 positions, then one decoding step
+        cache = generate.StaticKVCache(2, 2, 2, 16, 16, torch.float32, "cpu")
+        prefill = capped._decode(idx[:, :8], slice(0, 8), generate._Prefill(cache))
+        cache.pos.fill_(8)
+        cache.mask[..., :9] = 0.0
+        step = capped._decode(idx[:, 8:], cache.pos, cache)
+    torch.testing.assert_close(prefill, logits[:, 7])
+    torch.testing.assert_close(step, logits[:, 8])
+
+
+@pytest.mark.parametrize("loss_impl", ["fast", "torch"])
+def test_softcap_and_z_loss_in_the_training_loss(loss_impl):
+    """The loss and every gradient with softcap and z_loss equal the formula applied by hand to
+    the uncapped twin's logits: mean over kept tokens of -log softmax(u)_y + z_loss * lse(u)^2,
+    u = softcap * tanh(z / softcap). Both loss paths, so they agree with each other."""
+    vocab, cap, z_loss = 100, 3.0, 1e-2  # small vocab: "fast" runs in the Triton interpreter
+    plain, capped = softcap_twins(cap, loss_impl=loss_impl, vocab_size=vocab, padded_vocab_size=128)
+    idx = torch.randint(0, vocab, (2, 13))
+    targets = torch.randint(0, vocab, (2, 13))
+    targets[1, 3:8] = -100
+    u = cap * torch.tanh(plain(idx, all_positions=True) / cap)
+    keep = targets != -100
+    nll = -u.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    per_token = nll + z_loss * u.logsumexp(-1).square()
+    expected = (per_token * keep).sum() / keep.sum()
+    loss = capped(idx, targets, z_loss=z_loss)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    assert loss > capped(idx, targets) + 0.1  # z_loss=0 by default: the z term is ~0.2 here
+    expected.backward()
+    loss.backward()
+    for (name, a), b in zip(capped.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_softcap_must_be_finite_and_non_negative():
+    assert GPTConfig().softcap == 0.0  # off
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
+            GPTConfig(softcap=bad)
+
+
 # ---------------------------------------------------------------- checkpoints and devices
 
 
@@ -215,9 +283,11 @@ def test_from_checkpoint_predated_settings(tmp_path):
     loaded, ckpt = model_io.from_checkpoint(tmp_path / "new.pt")
     assert loaded.config.low_precision_residual is True
     del ckpt["model_config"]["low_precision_residual"]
+    del ckpt["model_config"]["softcap"]
     torch.save(ckpt, tmp_path / "old.pt")
     loaded, _ = model_io.from_checkpoint(tmp_path / "old.pt")
     assert loaded.config.low_precision_residual is False
+    assert loaded.config.softcap == 0.0  # also predates softcap: the default, off
 
 
 def test_from_checkpoint_old_switch_names(tmp_path):
@@ -307,8 +377,17 @@ def test_save_hf_round_trip_without_transformers(tmp_path):
     # HF Conv1D stores (in, out)
     assert weights["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
     back = model_io.from_hf(tmp_path)
+    assert back.config.softcap == 0.0
     for (k, a), b in zip(model.state_dict().items(), back.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
+
+
+def test_save_hf_refuses_what_gpt2_cannot_express(tmp_path):
+    with pytest.raises(ValueError, match="no logit softcap; cannot export a softcap=30.0 model"):
+        model_io.save_hf(tiny(softcap=30.0), tmp_path)
+    with pytest.raises(ValueError, match="bias=False"):
+        model_io.save_hf(tiny(bias=False), tmp_path)
+    assert not any(tmp_path.iterdir())  # refused before anything is written
 
 
 def test_from_hf_errors(tmp_path):

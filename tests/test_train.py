@@ -3,6 +3,7 @@ Ctrl-C, non-finite loss, OOM hint, the loss plot, wandb."""
 
 import glob
 import json
+import math
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import compile_guard
 import config
@@ -19,7 +21,9 @@ import train
 from checkpoint import list_checkpoints
 from compile_guard import CompileMismatch
 from conftest import read_log
-from model import GPT
+from data import resolve_dataset
+from data.loader import iter_val_batches
+from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT_KEYS = {
@@ -185,12 +189,12 @@ def test_a_stop_saves_right_after_the_step_in_flight(tiny_args, tmp_path, monkey
     forwards = []
 
     class SignalledGPT(GPT):
-        def forward(self, idx, targets=None):
+        def forward(self, idx, targets=None, **kw):
             if self.training:
                 forwards.append(1)
                 if len(forwards) == 8:
                     os.kill(os.getpid(), signal.SIGTERM)  # train.main's handler takes it
-            return super().forward(idx, targets)
+            return super().forward(idx, targets, **kw)
 
     monkeypatch.setattr(train, "GPT", SignalledGPT)
     args = tiny_args + [f"--out_dir={tmp_path}", "--eval_interval=0", "--ckpt_interval=0"]
@@ -250,6 +254,7 @@ def test_resume_rules(tiny_args, tmp_path):
     ckpt = torch.load(path, weights_only=True)
     assert ckpt["model_config"]["low_precision_residual"] is True
     del ckpt["model_config"]["low_precision_residual"]
+    del ckpt["model_config"]["softcap"]  # older still: before softcap, which was off
     torch.save(ckpt, path)
     more = tiny_args + [f"--out_dir={tmp_path}", "--max_steps=2", "--resume"]
     with pytest.raises(config.ConfigError, match="pass --low_precision_residual=False"):
@@ -262,6 +267,30 @@ def test_resume_rules(tiny_args, tmp_path):
     torch.save(ckpt, path)
     with pytest.raises(config.ConfigError, match="rotary"):
         train.main(more[:-2] + ["--max_steps=3", "--resume", "--low_precision_residual=False"])
+
+
+def test_softcap_and_z_loss_run(tiny_args, tiny_data, tmp_path):
+    """--softcap and --z_loss train. The logged train loss includes the z-loss term (at step 0,
+    same init and batches: z_loss * lse^2 with lse ~ ln(512) more); the val loss is the plain
+    cross-entropy of the capped logits. softcap is a model setting: saved, checked on resume."""
+    args = tiny_args + ["--softcap=30", "--eval_interval=0"]
+    train.main(args + [f"--out_dir={tmp_path}/z", "--max_steps=2", "--z_loss=1e-4"])
+    train.main(args + [f"--out_dir={tmp_path}/plain", "--max_steps=1"])
+    (losses, vals), (plain, _) = read_log(tmp_path / "z"), read_log(tmp_path / "plain")
+    assert losses[0] - plain[0] == pytest.approx(1e-4 * math.log(512) ** 2, rel=0.02)
+    model, ckpt = model_io.from_checkpoint(tmp_path / "z" / "ckpt_0000002.pt")
+    assert model.config.softcap == 30.0 and ckpt["val_loss"] == vals[2]
+    B, T, val_glob = 4, 32, resolve_dataset(str(tiny_data))[1]  # conftest.TINY's batch
+    with torch.no_grad():
+        ce = [
+            F.cross_entropy(model(x, all_positions=True).view(B * T, -1), y.view(-1))
+            for x, y in iter_val_batches(val_glob, B, T, max_tokens=512)
+        ]
+    assert vals[2] == pytest.approx(torch.stack(ce).mean().item(), abs=1e-5)
+    with pytest.raises(
+        config.ConfigError, match=r"\['softcap'\]; to resume it, pass --softcap=30.0"
+    ):
+        train.main(tiny_args + [f"--out_dir={tmp_path}/z", "--max_steps=3", "--resume"])
 
 
 def test_resume_of_a_finished_run_says_so(tiny_args, tmp_path, capsys):
@@ -306,8 +335,8 @@ def test_non_finite_loss_stops_without_saving(tiny_args, tmp_path, monkeypatch):
     calls = []
 
     class PoisonedGPT(GPT):
-        def forward(self, idx, targets=None):
-            loss = super().forward(idx, targets)
+        def forward(self, idx, targets=None, **kw):
+            loss = super().forward(idx, targets, **kw)
             calls.append(1)
             return loss * float("nan") if self.training and len(calls) > 6 else loss
 
@@ -445,6 +474,32 @@ def test_compile_settings_hold_for_the_run_only(tiny_args, tmp_path, monkeypatch
     assert settings() == before
 
 
+def test_z_loss_leaves_the_compiled_training_graph_whole():
+    """Validation calls the compiled model without z_loss (so 0), training with it. Under the
+    run's compiler settings each graph takes the value as a constant; a symbolic z_loss would
+    break the training graph at the loss's input checks. Dynamo only (backend="eager")."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    shape = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=100)
+    model = GPT(GPTConfig(**shape, padded_vocab_size=128, loss_impl="torch", softcap=3.0))
+    idx = torch.randint(0, 100, (2, 16))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    with compile_guard.compiler_settings(config.TrainConfig()):
+        model.eval()
+        with torch.no_grad():
+            compiled(idx, idx)  # step 0 validates first
+        model.train()
+        for _ in range(2):
+            loss = compiled(idx, idx, z_loss=1e-2)
+            torch.testing.assert_close(loss, model(idx, idx, z_loss=1e-2))
+            loss.backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2  # validation's and training's
+
+
 class _Miscompiled(torch.nn.Module):
     """Stands in for a compiled model whose graph is wrong: the right loss plus `shift`, in
     training mode, in eval mode, or both (`modes`)."""
@@ -453,9 +508,9 @@ class _Miscompiled(torch.nn.Module):
         super().__init__()
         self.model, self.shift, self.modes = model, shift, modes
 
-    def forward(self, x, y):
+    def forward(self, x, y, **kw):
         wrong = ("train" if self.training else "eval") in self.modes
-        return self.model(x, y) + (self.shift if wrong else 0.0)
+        return self.model(x, y, **kw) + (self.shift if wrong else 0.0)
 
 
 @pytest.mark.parametrize("shift", [0.0, 1e-3, 1e-2, float("nan")])
@@ -489,9 +544,10 @@ class _GoesWrong(torch.nn.Module):
         super().__init__()
         self.model, self.after, self.calls = model, after, 0
 
-    def forward(self, x, y):
+    def forward(self, x, y, **kw):
         self.calls += self.training
-        return self.model(x, y) + (0.1 if self.training and self.calls >= self.after else 0.0)
+        wrong = self.training and self.calls >= self.after
+        return self.model(x, y, **kw) + (0.1 if wrong else 0.0)
 
 
 def test_check_compile_repeats_after_each_evaluation(tiny_args, tmp_path, monkeypatch):
