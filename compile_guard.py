@@ -61,20 +61,11 @@ def check_training_step(first_loss, eager_loss, ddp, step):
 @contextlib.contextmanager
 def compiler_settings(cfg):
     """torch.compile's global settings from cfg, for as long as the context lasts."""
-    import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     inductor = dict(coordinate_descent_tuning=cfg.coordinate_descent_tuning)
     inductor.update(BUFFER_REUSE[cfg.buffer_reuse])
     budget = dict(activation_memory_budget=cfg.activation_memory_budget)
-    # the forward's float argument (z_loss) stays a constant of each graph: else the second
-    # value Dynamo meets (training's z_loss after validation's 0) turns symbolic and breaks the
-    # training graph at the loss's input checks
-    floats = dict(specialize_float=True)
-    with (
-        functorch_config.patch(**budget),
-        inductor_config.patch(**inductor),
-        dynamo_config.patch(**floats),
-    ):
+    with functorch_config.patch(**budget), inductor_config.patch(**inductor):
         yield

@@ -211,6 +211,10 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied
+        # PaLM's z-loss coefficient of training-mode losses (train.py sets it from --z_loss). An
+        # attribute, not a forward argument: a compiled graph takes it as a constant, where a
+        # float argument that differs between validation (0) and training turns symbolic
+        self.z_loss = 0.0
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled down so the residual stream does not grow with depth
         for name, p in self.named_parameters():
@@ -263,11 +267,11 @@ class GPT(nn.Module):
                     f"{name} contains token id {bad}, outside [0, {self.config.vocab_size})"
                 )
 
-    def forward(self, idx, targets=None, *, z_loss=0.0, all_positions=False):
+    def forward(self, idx, targets=None, *, all_positions=False):
         """idx (B, T) int64 token ids.
 
         With targets (B, T): the fp32 mean cross-entropy (targets == -100 are ignored), plus
-        z_loss * lse^2 per token (PaLM's z-loss, a training setting: evaluation leaves it 0).
+        self.z_loss * lse^2 per token in training mode (PaLM's z-loss; eval mode leaves it out).
         Without: logits (B, 1, vocab_size) of the last position, or (B, T, vocab_size) with
         all_positions=True; padded columns are sliced off. Logits are returned in fp32, capped
         as the loss caps them (config.softcap).
@@ -295,7 +299,7 @@ class GPT(nn.Module):
                 targets,
                 vocab_size=self.config.vocab_size,
                 softcap=self.config.softcap or None,
-                z_loss=z_loss,
+                z_loss=self.z_loss if self.training else 0.0,
             )
         if not all_positions:
             x = x[:, -1:, :]  # keeps the time dim; a list index would be copied to the device

@@ -132,7 +132,7 @@ def evaluate(model, raw_model, cfg, val_glob, autocast, procs, print0):
     )
     with torch.no_grad(), autocast:
         for x, y in batches:
-            loss = model(x, y)  # plain cross-entropy, no z_loss: comparable between runs
+            loss = model(x, y)  # eval mode: plain cross-entropy, comparable between runs
             if check and count == 0:  # raw_model is in eval mode with model
                 first, eager = loss.clone(), raw_model(x, y)  # clone: CUDA-graph outputs
             total += loss
@@ -256,10 +256,9 @@ def train_step(step, lr, models, optimizer, loader, cfg, procs, autocast, grad_a
         checking = check and micro == 0
         if checking:  # eager first: no activations held yet
             with torch.no_grad(), autocast:
-                eager_loss = raw_model(x, y, z_loss=cfg.z_loss)
+                eager_loss = raw_model(x, y)
         with sharding.micro_step(train_model, raw_model, cfg.shard, sync), autocast:
-            # DDP, FSDP2 and torch.compile pass keyword arguments on to GPT.forward
-            loss = train_model(x, y, z_loss=cfg.z_loss) / grad_accum
+            loss = train_model(x, y) / grad_accum
         if checking:
             first_loss = loss.detach() * grad_accum
         loss.backward()
@@ -319,6 +318,7 @@ def main(argv=None, train_loader=DataLoader):
             raise ConfigError(f"model settings: {e}") from None
         with torch.device(device):  # initialised where it runs: 1558M on a CPU takes seconds
             raw_model = GPT(model_config)
+        raw_model.z_loss = cfg.z_loss  # in training-mode losses only: val stays plain CE
         sharding.shard_model(raw_model, cfg.shard)  # FSDP2 under shard="full", in place
         optimizer = sharding.make_optimizer(raw_model, cfg, device)
         start_step, ckpts = 0, list_checkpoints(cfg.out_dir)

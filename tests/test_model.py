@@ -236,9 +236,15 @@ def test_softcap_and_z_loss_in_the_training_loss(loss_impl):
     nll = -u.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
     per_token = nll + z_loss * u.logsumexp(-1).square()
     expected = (per_token * keep).sum() / keep.sum()
-    loss = capped(idx, targets, z_loss=z_loss)
+    with torch.no_grad():
+        without = capped(idx, targets)  # z_loss is 0 by default
+    capped.z_loss = z_loss
+    loss = capped(idx, targets)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
-    assert loss > capped(idx, targets) + 0.1  # z_loss=0 by default: the z term is ~0.2 here
+    assert loss > without + 0.1  # the z term is ~0.2 here
+    with torch.no_grad():  # eval mode (validation) leaves it out
+        torch.testing.assert_close(capped.eval()(idx, targets), without)
+    capped.train()
     expected.backward()
     loss.backward()
     for (name, a), b in zip(capped.named_parameters(), plain.parameters(), strict=True):

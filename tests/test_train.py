@@ -475,9 +475,9 @@ def test_compile_settings_hold_for_the_run_only(tiny_args, tmp_path, monkeypatch
 
 
 def test_z_loss_leaves_the_compiled_training_graph_whole():
-    """Validation calls the compiled model without z_loss (so 0), training with it. Under the
-    run's compiler settings each graph takes the value as a constant; a symbolic z_loss would
-    break the training graph at the loss's input checks. Dynamo only (backend="eager")."""
+    """Validation runs the compiled model in eval mode (no z-loss), training in training mode
+    with it. Each graph takes the coefficient as a constant (a module attribute); a symbolic one
+    would break the training graph at the loss's input checks. Dynamo only (backend="eager")."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -492,9 +492,10 @@ def test_z_loss_leaves_the_compiled_training_graph_whole():
         with torch.no_grad():
             compiled(idx, idx)  # step 0 validates first
         model.train()
+        model.z_loss = 1e-2  # as train.py sets it, once, before the first step
         for _ in range(2):
-            loss = compiled(idx, idx, z_loss=1e-2)
-            torch.testing.assert_close(loss, model(idx, idx, z_loss=1e-2))
+            loss = compiled(idx, idx)
+            torch.testing.assert_close(loss, model(idx, idx))
             loss.backward()
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 2  # validation's and training's
