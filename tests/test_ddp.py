@@ -26,11 +26,14 @@ def torchrun_2(*args):
     return [*launcher, "train.py", *args]
 
 
-def test_ddp_matches_single_process_accumulation(tiny_args, tmp_path):
+@pytest.mark.parametrize(
+    "options", [[], ["--softcap=30", "--z_loss=1e-3"]], ids=["plain", "loss_options"]
+)
+def test_ddp_matches_single_process_accumulation(tiny_args, tmp_path, options):
     # total_batch_size 256 = B 4 x T 32 x (1 rank x 2 micro-steps | 2 ranks x 1 micro-step): the
     # same tokens per step, as the loader gives rank r the windows after rank r-1's in an order
     # (shuffled by default) that does not depend on the world size
-    args = tiny_args + ["--max_steps=6", "--eval_interval=3", "--ckpt_interval=3"]
+    args = tiny_args + ["--max_steps=6", "--eval_interval=3", "--ckpt_interval=3"] + options
     single, multi = tmp_path / "single", tmp_path / "ddp"
     train.main(args + [f"--out_dir={single}"])
 
