@@ -126,13 +126,29 @@ def test_kernels_compile_for_sm90_with_vectorised_logit_loads():
             assert v4 >= 2 and b16 <= 4, (name, v4, b16)
 
 
+# ptxas -v on a PTX text: its report (registers, spills), for the scripts below
+PTXAS_V = r"""
+import os, subprocess, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
+
+
+def ptxas_v(ptx):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        info = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", path, "-o",
+                               os.path.join(d, "k.cubin")], capture_output=True, text=True)
+    return info.stdout + info.stderr
+"""
+
+
 # The default launch of both row kernels (fused.row_kernel_setup, as lce_pass calls it), compiled
 # and assembled by ptxas -v: its registers per thread must let LAUNCH' per_sm programs of
 # num_warps warps fit on one SM, the residency the persistent grid is sized for.
 RESIDENCY = r"""
-import json, os, re, subprocess, tempfile, triton
+import json, re, triton
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 import fused_loss.linear_cross_entropy as fl
 from fused_loss import triton_kernels as kernels
@@ -160,15 +176,10 @@ for vocab in (50304, 50257):
         src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}),
                         constexprs=consts, attrs=attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "k.ptx")
-            with open(path, "w") as f:
-                f.write(ptx)
-            info = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", path, "-o",
-                                   os.path.join(d, "k.cubin")], capture_output=True, text=True)
-        regs = re.search(r"Used (\d+) registers", info.stdout + info.stderr)
+        info = ptxas_v(ptx)
+        regs = re.search(r"Used (\d+) registers", info)
         name = ("exp_rows" if single else "softmax_grad") + f" vocab {vocab}"
-        out[name] = int(regs.group(1)) if regs else (info.stdout + info.stderr)[-500:]
+        out[name] = int(regs.group(1)) if regs else info[-500:]
 limit = 65536 // (32 * cfg["num_warps"] * cfg["per_sm"])
 print(json.dumps(dict(registers=out, limit=limit)))
 """
@@ -178,7 +189,7 @@ print(json.dumps(dict(registers=out, limit=limit)))
 def test_default_row_kernel_launch_keeps_its_programs_resident():
     """Above the limit only some of the per_sm programs fit at once and the rest run as a second
     wave: on the H200 that cost 0.4-1.1 ms per 124M call (bench/RESULTS.md, session 12)."""
-    res = _compile_for_sm90(RESIDENCY)
+    res = _compile_for_sm90(PTXAS_V + RESIDENCY)
     assert len(res["registers"]) == 4
     for name, regs in res["registers"].items():
         assert isinstance(regs, int), (name, regs)  # else ptxas's own words
@@ -230,9 +241,8 @@ def test_adamw_kernels_compile_with_16_byte_accesses():
 # would be the slower path) and load its tiles through TMA; its shared memory (the pipeline's
 # stages and the staging of E's TMA store) must fit the 227 KiB a Hopper block may take.
 EXP_GEMM = r"""
-import json, os, re, subprocess, tempfile, triton
+import json, re, triton
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from fused_loss import exp_gemm
 
@@ -247,14 +257,9 @@ sig |= {n: "i32" for n in ("n_rows", "V", "D", "vocab_size", "ignore_index")}
 
 def spills(ptx):
     # ptxas -v's spill counts: spilled registers go to local memory, slow in the epilogue
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        info = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", path, "-o",
-                               os.path.join(d, "k.cubin")], capture_output=True, text=True)
-    found = re.findall(r"(\d+) bytes spill stores", info.stdout + info.stderr)
-    return sum(int(v) for v in found) if found else (info.stdout + info.stderr)[-300:]
+    info = ptxas_v(ptx)
+    found = re.findall(r"(\d+) bytes spill stores", info)
+    return sum(int(v) for v in found) if found else info[-300:]
 
 
 out = {}
@@ -295,7 +300,7 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="this Triton has no NVIDIA backend")
 def test_exp_gemm_compiles_to_wgmma_and_tma_within_shared_memory():
-    for name, res in _compile_for_sm90(EXP_GEMM).items():
+    for name, res in _compile_for_sm90(PTXAS_V + EXP_GEMM).items():
         assert res["wgmma"] >= 1 and res["mma_sync"] == 0, (name, res)
         assert res["tma"] >= 2, (name, res)  # the x and w tiles (and E's store)
         assert res["shared"] <= 227 * 1024, (name, res)
