@@ -7,7 +7,9 @@ not 4). reduction="none" cannot be precomputed that way (each row's upstream gra
 in forward), so its backward runs the pass again with those per-row weights. The chunk GEMMs go
 through cublaslt.py (algorithms chosen by timing, LAUNCH "gemm"), except the logits GEMM of the
 single-read path on Hopper, which is exp_gemm.py's Triton kernel with the row pass in its
-epilogue (LAUNCH "logits").
+epilogue (LAUNCH "logits"). The options (bias, softcap, z_loss, label_smoothing, return_lse)
+live in the two-read row kernel and in exp_gemm's kernels, label smoothing in the former only;
+calls with options that the path at hand cannot take go to the two-read kernel (lce_pass).
 """
 
 import functools

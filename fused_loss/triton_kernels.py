@@ -9,6 +9,12 @@ Math, for x (N, D), w (V, D), targets y (N,) and per-row gradient weights g (N,)
     G = diag(g) (softmax(z) - onehot(y))     (N, V), the gradient of sum_n g_n loss_n wrt z
     dx = G @ w   (N, D)          dw = G.T @ x   (V, D)
 g_n is 1/count (mean), 1 (sum) or the upstream gradient ("none"); 0 for ignored targets.
+The options (fused_linear_cross_entropy's bias, softcap s, z_loss l, label_smoothing e) change
+the softmax's input and the loss, _softmax_grad_kernel takes them all (_logits, _feature_grad):
+    u = s tanh((z + b) / s)               (u = z + b without softcap)
+    loss_n = (1 - e)(lse_n - u_{n,y_n}) + e (lse_n - mean_{v<Vr} u_nv) + l lse_n^2,  lse from u
+    dloss/du = (1 + 2 l lse) softmax(u) - (1 - e) onehot(y) - e / Vr,   du/dz = 1 - (u / s)^2
+    db = sum_n G_n (the column sums of the chunk's G: _column_sums_kernel)
 
 The launcher (linear_cross_entropy.py) runs the rows in chunks of n tokens through one (n, V)
 buffer, so the (N, V) logits never exist: cuBLAS writes the chunk's z into the buffer (compute
