@@ -3,6 +3,7 @@
     linear_cross_entropy.py  fused_linear_cross_entropy: the final linear layer + cross-entropy
                              without the (tokens x vocab) logits (launchers, autograd, custom ops)
     triton_kernels.py        its Triton row kernels, with the math
+    exp_gemm.py              its logits GEMM with the row pass in the epilogue (Hopper)
     reference.py             linear_cross_entropy_reference: the torch path it is tested against
     checks.py                input checks shared by both
     cublaslt.py              a ctypes binding of cuBLASLt matmuls with epilogues

@@ -189,12 +189,12 @@ def test_a_stop_saves_right_after_the_step_in_flight(tiny_args, tmp_path, monkey
     forwards = []
 
     class SignalledGPT(GPT):
-        def forward(self, idx, targets=None, **kw):
+        def forward(self, idx, targets=None):
             if self.training:
                 forwards.append(1)
                 if len(forwards) == 8:
                     os.kill(os.getpid(), signal.SIGTERM)  # train.main's handler takes it
-            return super().forward(idx, targets, **kw)
+            return super().forward(idx, targets)
 
     monkeypatch.setattr(train, "GPT", SignalledGPT)
     args = tiny_args + [f"--out_dir={tmp_path}", "--eval_interval=0", "--ckpt_interval=0"]
@@ -335,8 +335,8 @@ def test_non_finite_loss_stops_without_saving(tiny_args, tmp_path, monkeypatch):
     calls = []
 
     class PoisonedGPT(GPT):
-        def forward(self, idx, targets=None, **kw):
-            loss = super().forward(idx, targets, **kw)
+        def forward(self, idx, targets=None):
+            loss = super().forward(idx, targets)
             calls.append(1)
             return loss * float("nan") if self.training and len(calls) > 6 else loss
 
@@ -509,9 +509,9 @@ class _Miscompiled(torch.nn.Module):
         super().__init__()
         self.model, self.shift, self.modes = model, shift, modes
 
-    def forward(self, x, y, **kw):
+    def forward(self, x, y):
         wrong = ("train" if self.training else "eval") in self.modes
-        return self.model(x, y, **kw) + (self.shift if wrong else 0.0)
+        return self.model(x, y) + (self.shift if wrong else 0.0)
 
 
 @pytest.mark.parametrize("shift", [0.0, 1e-3, 1e-2, float("nan")])
@@ -545,10 +545,9 @@ class _GoesWrong(torch.nn.Module):
         super().__init__()
         self.model, self.after, self.calls = model, after, 0
 
-    def forward(self, x, y, **kw):
+    def forward(self, x, y):
         self.calls += self.training
-        wrong = self.training and self.calls >= self.after
-        return self.model(x, y, **kw) + (0.1 if wrong else 0.0)
+        return self.model(x, y) + (0.1 if self.training and self.calls >= self.after else 0.0)
 
 
 def test_check_compile_repeats_after_each_evaluation(tiny_args, tmp_path, monkeypatch):
