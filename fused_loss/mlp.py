@@ -9,13 +9,15 @@ Backward (plain torch ops, so under torch.compile Inductor traces and fuses them
 bias sums), but for the GELU gradient:
     dh = (dout @ W_proj) * gelu_tanh'(h)     one GEMM, DGELU epilogue (dgelu_mm)
     dx = dh @ W_fc, dW_fc = dh.T @ x, db_fc = sum_rows dh, dW_proj = dout.T @ a, db_proj = sum dout
-All in the compute dtype (bf16 under autocast: the weights are cast as F.linear would cast them),
-fp32 accumulation in every GEMM and sum. Saved for backward: x, h, a (a 124M or 1558M training
-step peaks within 0.1 GiB of the torch path's).
-What goes: the GELU forward kernel and the GELU-gradient kernel (each a full (M, F) read and
-write). The GELU is evaluated on the fp32 accumulator rather than on h rounded to bf16, so `a`
-can differ from torch's by a rounding; the errors against fp64 are no larger (tests/test_mlp.py).
-Timings: bench/RESULTS.md §2c.
+The GEMMs run in the compute dtype (bf16 under autocast, on the caller's casts of the weights)
+with fp32 accumulation, and the weight gradients leave them in the parameters' own dtype: fp32
+for fp32 master weights, not rounded to bf16 and cast back (so the op takes each weight twice,
+as the parameter and as its cast: autograd hands the gradient to the parameter). The bias sums
+are fp32 too. Saved for backward: x, h, a and the weights' casts.
+What goes against F.linear + F.gelu: the GELU forward and GELU-gradient kernels (each a full
+(M, F) read and write) and the casts of dW to fp32. The GELU is evaluated on the fp32
+accumulator rather than on h rounded to bf16, so `a` can differ from torch's by a rounding; the
+errors against fp64 are no larger (tests/test_mlp.py). Timings: bench/RESULTS.md §2c, §2g.
 
 mlp_cublaslt is the entry point: None where it does not apply (no CUDA, no bf16/fp16 compute
 dtype, no biases, widths not multiples of 8), and the caller runs the torch path
@@ -48,33 +50,54 @@ def _(dy, w, h):
 def mlp_gelu(
     x: torch.Tensor,
     w_fc: torch.Tensor,
+    w_fc_c: torch.Tensor,
     b_fc: torch.Tensor,
     w_proj: torch.Tensor,
+    w_proj_c: torch.Tensor,
     b_proj: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, h, a) of the module docstring; x (M, D) and the weights in one dtype."""
-    h = x.new_empty((x.shape[0], w_fc.shape[0]))
+    """(out, h, a) of the module docstring. x (M, D) in the compute dtype; w_fc, w_proj the
+    parameters (only their gradients' dtype is read), w_fc_c, w_proj_c their casts to the compute
+    dtype; the biases in any dtype."""
+    h = x.new_empty((x.shape[0], w_fc_c.shape[0]))
     a = torch.empty_like(h)
-    matmul(x, w_fc.t(), a, bias=b_fc, aux=h, epilogue=EPI_GELU_AUX_BIAS)
-    return torch.addmm(b_proj, a, w_proj.t()), h, a
+    matmul(x, w_fc_c.t(), a, bias=b_fc.to(x.dtype), aux=h, epilogue=EPI_GELU_AUX_BIAS)
+    return torch.addmm(b_proj.to(x.dtype), a, w_proj_c.t()), h, a
 
 
 @mlp_gelu.register_fake
-def _(x, w_fc, b_fc, w_proj, b_proj):
-    h = x.new_empty((x.shape[0], w_fc.shape[0]))
-    return x.new_empty((x.shape[0], w_proj.shape[0])), h, torch.empty_like(h)
+def _(x, w_fc, w_fc_c, b_fc, w_proj, w_proj_c, b_proj):
+    h = x.new_empty((x.shape[0], w_fc_c.shape[0]))
+    return x.new_empty((x.shape[0], w_proj_c.shape[0])), h, torch.empty_like(h)
 
 
 def _setup_context(ctx, inputs, output):
-    x, w_fc, _, w_proj, _ = inputs
+    x, w_fc, w_fc_c, b_fc, w_proj, w_proj_c, b_proj = inputs
     _, h, a = output
-    ctx.save_for_backward(x, w_fc, w_proj, h, a)
+    ctx.dtypes = w_fc.dtype, b_fc.dtype, w_proj.dtype, b_proj.dtype
+    ctx.save_for_backward(x, w_fc_c, w_proj_c, h, a)
+
+
+def _mm(a, b, dtype):
+    """a @ b with fp32 accumulation, the result in `dtype` (fp32 as the GEMM writes it: CUDA)."""
+    if dtype == a.dtype:
+        return a @ b
+    return torch.mm(a, b, out_dtype=torch.float32).to(dtype)
 
 
 def _backward(ctx, dout, _dh, _da):
-    x, w_fc, w_proj, h, a = ctx.saved_tensors
-    dh = dgelu_mm(dout, w_proj, h)
-    return dh @ w_fc, dh.t() @ x, dh.sum(0), dout.t() @ a, dout.sum(0)
+    x, w_fc_c, w_proj_c, h, a = ctx.saved_tensors
+    dw_fc, db_fc, dw_proj, db_proj = ctx.dtypes
+    dh = dgelu_mm(dout, w_proj_c, h)
+    return (
+        dh @ w_fc_c,
+        _mm(dh.t(), x, dw_fc),
+        None,
+        dh.sum(0, dtype=torch.float32).to(db_fc),
+        _mm(dout.t(), a, dw_proj),
+        None,
+        dout.sum(0, dtype=torch.float32).to(db_proj),
+    )
 
 
 mlp_gelu.register_autograd(_backward, setup_context=_setup_context)
@@ -90,8 +113,8 @@ def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj):
     if dt not in (torch.bfloat16, torch.float16) or x.shape[-1] % 8 or w_fc.shape[0] % 8:
         return None
     shape = x.shape
-    weights = [t.to(dt) for t in (w_fc, b_fc, w_proj, b_proj)]
-    out, _, _ = mlp_gelu(x.to(dt).reshape(-1, shape[-1]), *weights)
+    x = x.to(dt).reshape(-1, shape[-1])
+    out, _, _ = mlp_gelu(x, w_fc, w_fc.to(dt), b_fc, w_proj, w_proj.to(dt), b_proj)
     return out.view(*shape[:-1], out.shape[-1])
 
 
