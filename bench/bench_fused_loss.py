@@ -1,7 +1,7 @@
 """Linear + cross-entropy fwd+bwd: our kernel vs torch eager, torch.compile, Liger and CCE.
 
     python bench/bench_fused_loss.py [--shapes 124M,1558M,256k] [--out DIR] [--variants]
-        [--methods torch.compile,ours] [--set order=forward,per_sm=3]
+        [--methods torch.compile,ours] [--set order=forward,per_sm=3] [--repeats 5]
 
 For each shape: x (N, D) ~ N(0, 1) bf16, w (V, D) bf16 with logits of std ~2, targets uniform over
 the vocab with 5 % ignored (-100). Every method gets the same tensors. Reports fwd+bwd and forward
@@ -10,6 +10,13 @@ is fwd+bwd with the host's latency hidden behind a queued GPU sleep), peak memor
 the inputs during one fwd+bwd (grads included; buffers a method keeps between calls are counted
 because the baseline is taken before its first call), and loss/dx/dw errors against an fp32 (no
 TF32) reference.
+--repeats N: per shape every method is set up once (first call, errors, peak memory), then timed
+N times, the methods taking turns within each repeat so that the machine's drift (clocks, heat)
+hits them alike. A row gives each time's median over the repeats, the repeats' values
+(*_each), and wall_vs_compile / gpu_vs_compile: the median over repeats of its fwd+bwd (GPU) ms
+over torch.compile's in the same repeat, at the same weight dtype. The bf16-weight rows (with the
+masked vocab) take turns among themselves, then the fp32-master-weight rows among theirs, so each
+ratio's pair is timed side by side; the --variants rows are timed once each.
 Liger and CCE are optional: if they do not import, their rows say so.
 """
 
@@ -132,7 +139,10 @@ class FwdBwd:
         self.fn(self.x, self.w, self.t).backward()
 
 
-def measure(fn, x, w, t, ref, reps):
+def prepare(fn, x, w, t, ref):
+    """fn's first call (compilation, caches), its errors against ref and its peak memory during
+    one fwd+bwd: (timers, res), timers for time_once(). The grads are dropped after, so methods
+    prepared side by side hold none while the others are timed."""
     fwd_bwd = FwdBwd(fn, x, w, t)
     xg, wg = fwd_bwd.x, fwd_bwd.w
 
@@ -156,10 +166,85 @@ def measure(fn, x, w, t, ref, reps):
     fwd_bwd()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / MiB
-    res = dict(fwd_bwd_ms=timed(fwd_bwd, reps), fwd_ms=timed(fwd, reps), peak_mib=peak, **errs)
-    res["gpu_ms"] = timed(fwd_bwd, reps, hide_host=True)
-    xg.grad = wg.grad = None
-    return res
+    fwd_bwd.clear()
+    return (fwd_bwd, fwd), dict(peak_mib=peak, **errs)
+
+
+def time_once(timers, reps):
+    """One repeat of a prepared method: wall fwd+bwd (host latency counted), forward, GPU fwd+bwd
+    (host hidden), each the median of reps calls; its grads dropped after, raise or not."""
+    fwd_bwd, fwd = timers
+    try:
+        res = dict(fwd_bwd_ms=timed(fwd_bwd, reps), fwd_ms=timed(fwd, reps))
+        res["gpu_ms"] = timed(fwd_bwd, reps, hide_host=True)
+        return res
+    finally:
+        fwd_bwd.clear()
+
+
+def measure(fn, x, w, t, ref, reps):
+    """One method prepared and timed once (the --variants rows)."""
+    timers, res = prepare(fn, x, w, t, ref)
+    ms = time_once(timers, reps)
+    return dict(fwd_bwd_ms=ms["fwd_bwd_ms"], fwd_ms=ms["fwd_ms"], **res, gpu_ms=ms["gpu_ms"])
+
+
+def try_prepare(fn, x, w, t, ref):
+    """prepare()'s result, or an error row (fn a string: the method did not import)."""
+    if isinstance(fn, str):
+        return dict(error=fn)
+    try:
+        out = prepare(fn, x, w, t, ref)
+    except Exception as e:
+        out = dict(error=repr(e)[:300])
+    torch.cuda.empty_cache()
+    return out
+
+
+TIMES = ("fwd_bwd_ms", "fwd_ms", "gpu_ms")
+
+
+def interleaved(prepared, repeats, time_one, base, label=""):
+    """Rows of the prepared methods ({name: try_prepare()'s result}), in their order: repeats
+    rounds that each time every method once in turn, so drift between rounds hits all alike.
+    Per time, the median over the rounds and each round's value; wall_vs_compile and
+    gpu_vs_compile: the median over rounds of the ratio to method `base` in the same round. A
+    method that raises gets its error row and drops out; the others go on."""
+    done = {name: p for name, p in prepared.items() if isinstance(p, dict)}  # error rows
+    each = {name: [] for name in prepared if name not in done}
+    for r in range(repeats):
+        for name, runs in each.items():
+            if name in done:
+                continue
+            try:
+                runs.append(time_one(prepared[name][0]))
+            except Exception as e:
+                done[name] = dict(error=repr(e)[:300])
+                if repeats > 1:
+                    done[name]["failed_repeat"] = r
+            torch.cuda.empty_cache()
+        if repeats > 1:
+            ms = ", ".join(
+                f"{n} {v[r]['fwd_bwd_ms']:.2f}/{v[r]['gpu_ms']:.2f}"
+                for n, v in each.items()
+                if n not in done
+            )
+            print(f"{label} repeat {r + 1}/{repeats} (wall/GPU ms): {ms}", flush=True)
+    rows = {}
+    for name, p in prepared.items():
+        if name in done:
+            rows[name] = done[name]
+            continue
+        runs = {k: [run[k] for run in each[name]] for k in TIMES}
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        row = dict(fwd_bwd_ms=med["fwd_bwd_ms"], fwd_ms=med["fwd_ms"], **p[1], gpu_ms=med["gpu_ms"])
+        row.update({f"{k}_each": v for k, v in runs.items()}, repeats=repeats)
+        if base in each and base not in done:
+            for key, k in (("wall_vs_compile", "fwd_bwd_ms"), ("gpu_vs_compile", "gpu_ms")):
+                pairs = zip(runs[k], (run[k] for run in each[base]), strict=True)
+                row[key] = statistics.median(a / b for a, b in pairs)
+        rows[name] = row
+    return rows
 
 
 def kernel_breakdown(x, w, t, vocab):
@@ -260,7 +345,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="124M,1558M,256k")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=10, help="calls per timing (its median)")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="timings of each method, interleaved; median"
+    )
     ap.add_argument("--variants", action="store_true", help="also time tile/buffer variants")
     ap.add_argument("--methods", default="", help="comma list to run (default: all)")
     ap.add_argument(
@@ -273,6 +361,8 @@ def main():
         help="LAUNCH['cuda'] entries (fused_loss/linear_cross_entropy.py) for the run: k=v,k=v",
     )
     args = ap.parse_args()
+    if args.repeats < 1:
+        raise SystemExit("--repeats: at least 1")
     fl.LAUNCH["cuda"].update(parse_set(args.set, fl.LAUNCH["cuda"]))
     props = torch.cuda.get_device_properties(0)
     import triton
@@ -300,6 +390,10 @@ def main():
     if args.methods:
         meths = {k: v for k, v in meths.items() if k in args.methods.split(",")}
     shapes = [s for s in args.shapes.split(",") if s] + (["124M-real"] if args.checkpoint else [])
+
+    def time_one(timers):
+        return time_once(timers, args.reps)
+
     for shape in shapes:
         if shape == "124M-real":
             x, w, t, vocab = real_inputs(args.checkpoint, args.tokens, SHAPES["124M"][0])
@@ -320,34 +414,35 @@ def main():
         ref = fp32_reference(x, w, t)
         grads_mib = (x.numel() + w.numel()) * 2 / MiB
         record(shape, "lower bound (grads)", dict(peak_mib=grads_mib))
-        for name, fn in meths.items():
-            if isinstance(fn, str):
-                record(shape, name, dict(error=fn))
-                continue
-            try:
-                record(shape, name, measure(fn, x, w, t, ref, args.reps))
-            except Exception as e:
-                record(shape, name, dict(error=repr(e)[:300]))
-            torch.cuda.empty_cache()
+        # bf16 weight: meths and the masked row, interleaved; compared with torch.compile's
+        prepared = {name: try_prepare(fn, x, w, t, ref) for name, fn in meths.items()}
         if V == 50304:  # the padded GPT-2 vocab with the 47 padded columns masked
             masked = lambda x, w, t: fused_linear_cross_entropy(x, w, t, vocab_size=50257)  # noqa
             t_real = t.clamp(max=50256)
             ref_m = fp32_reference(x, w[:50257], t_real)
             dw_ref = torch.cat([ref_m[2], ref_m[2].new_zeros(V - 50257, D)])  # padded rows: 0
-            res = measure(masked, x, w, t_real, (ref_m[0], ref_m[1], dw_ref), args.reps)
-            record(shape, "ours (vocab 50257 masked)", res)
+            ref_m = (ref_m[0], ref_m[1], dw_ref)
+            prepared["ours (vocab 50257 masked)"] = try_prepare(masked, x, w, t_real, ref_m)
+            del ref_m, dw_ref
+        group = interleaved(prepared, args.repeats, time_one, "torch.compile", shape)
+        for name, res in group.items():
+            record(shape, name, res)
+        del prepared
+        torch.cuda.empty_cache()
         if shape in ("124M", "1558M"):  # the trainer's case: fp32 master weight, fp32 dw
             w32 = w.float()
+            prepared = {}
             for name in ("torch.compile", "ours"):
                 if name not in meths or isinstance(meths[name], str):  # --methods left it out
                     continue
                 fn = master_weight(meths[name])  # torch.compile recompiles for the fp32 weight
-                try:
-                    record(shape, f"{name} (fp32 master w)", measure(fn, x, w32, t, ref, args.reps))
-                except Exception as e:
-                    record(shape, f"{name} (fp32 master w)", dict(error=repr(e)[:300]))
-                torch.cuda.empty_cache()
-            del w32
+                prepared[f"{name} (fp32 master w)"] = try_prepare(fn, x, w32, t, ref)
+            base = "torch.compile (fp32 master w)"
+            group = interleaved(prepared, args.repeats, time_one, base, f"{shape} fp32 master w")
+            for name, res in group.items():
+                record(shape, name, res)
+            del w32, prepared
+            torch.cuda.empty_cache()
         if args.variants and shape == "124M":
             for vname in VARIANTS:
                 try:
@@ -374,8 +469,12 @@ def main():
             for k, (ms, n) in rows.items():
                 print(f"  {ms:8.2f} ms  x{n:<4d} {k}")
     cols = "fwd+bwd ms | GPU ms | fwd ms | peak MiB | err loss | err dx | err dw"
-    print(f"\n| shape | method | {cols} |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"\nmedians of {args.repeats} interleaved repeat(s) (ours[...] variants: one); "
+        "/ compile: median per-repeat ratio to torch.compile at the same weight dtype"
+    )
+    print(f"| shape | method | {cols} | wall / compile | GPU / compile |")
+    print("|---" * 11 + "|")
     for r in results["rows"]:
         if "error" in r:
             print(f"| {r['shape']} | {r['method']} | error: {r['error'][:80]} |")
@@ -388,7 +487,7 @@ def main():
             f"| {r['shape']} | {r['method']} | {f('fwd_bwd_ms', '.2f')} | {f('gpu_ms', '.2f')} | "
             f"{f('fwd_ms', '.2f')} | "
             f"{f('peak_mib', '.0f')} | {f('err_loss', '.1e')} | {f('err_dx', '.1e')} | "
-            f"{f('err_dw', '.1e')} |"
+            f"{f('err_dw', '.1e')} | {f('wall_vs_compile', '.3f')} | {f('gpu_vs_compile', '.3f')} |"
         )
 
 
