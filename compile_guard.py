@@ -19,6 +19,9 @@ BUFFER_REUSE = {  # buffer_reuse -> torch._inductor.config patch
     "none": dict(inplace_buffers=False, allow_buffer_reuse=False),
 }
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# elements. Inductor keeps a row in registers (a "persistent" reduction: one read) only up to
+# this; a wider row is reduced in a loop and read twice (torch/_inductor/choices.py)
+INDUCTOR_PERSISTENT_ROWS = 1024
 # nats. Right graphs are within 6e-5 of eager mode's loss at the first step (124M to 1558M); the
 # wrong ones seen were 5e-3 to 4.6e-2 off
 COMPILE_CHECK_TOL = 2e-3
@@ -58,6 +61,60 @@ def check_training_step(first_loss, eager_loss, ddp, step):
         )
 
 
+def _row_is_persistent(features, cooperative_reduction, limit, inherited):
+    """Inductor's choice for one reduction kernel, but True for an inner reduction (over the
+    last dim: LayerNorm's mean and variance) of a static size up to `limit`."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.runtime.hints import ReductionHint
+
+    n = features.reduction_numel
+    static = isinstance(n, int) or getattr(n, "is_number", False)
+    if (
+        static
+        and int(n) <= limit
+        and not cooperative_reduction
+        and inductor_config.triton.persistent_reductions
+        and not inductor_config.triton.multi_kernel
+        and features.get_reduction_hint() == ReductionHint.INNER
+    ):
+        return True
+    return inherited(features, cooperative_reduction)
+
+
+@contextlib.contextmanager
+def persistent_rows(limit):
+    """Inductor reduces rows of up to `limit` elements in registers while the context lasts, so
+    LayerNorm at 1280 and 1600 wide (774M, 1558M) reads its inputs once, not twice
+    (bench/RESULTS.md §2h). Inductor's heuristic is a static method of InductorChoices: patched
+    for every thread (the backward compiles in autograd's), and `limit` joins Inductor's cache
+    key through a no-op post-grad pass, so a cached graph of another limit is not reused."""
+    if limit <= INDUCTOR_PERSISTENT_ROWS:
+        yield
+        return
+    import torch._inductor.config as inductor_config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class CacheTag(CustomGraphPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return f"persistent_rows={limit}"
+
+    inherited = InductorChoices.should_use_persistent_reduction
+
+    def wide(features, cooperative_reduction=False):
+        return _row_is_persistent(features, cooperative_reduction, limit, inherited)
+
+    InductorChoices.should_use_persistent_reduction = staticmethod(wide)
+    try:
+        with inductor_config.patch(post_grad_custom_post_pass=CacheTag()):
+            yield
+    finally:
+        InductorChoices.should_use_persistent_reduction = staticmethod(inherited)
+
+
 @contextlib.contextmanager
 def compiler_settings(cfg):
     """torch.compile's global settings from cfg, for as long as the context lasts."""
@@ -68,4 +125,5 @@ def compiler_settings(cfg):
     inductor.update(BUFFER_REUSE[cfg.buffer_reuse])
     budget = dict(activation_memory_budget=cfg.activation_memory_budget)
     with functorch_config.patch(**budget), inductor_config.patch(**inductor):
-        yield
+        with persistent_rows(cfg.persistent_rows):
+            yield

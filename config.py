@@ -90,6 +90,8 @@ class TrainConfig:
     # activations instead of keeping them, trading a little time for memory
     activation_memory_budget: float = setting(1.0, "torch.compile activation memory budget")
     coordinate_descent_tuning: bool = setting(False, "Inductor block-size tuning while compiling")
+    # Inductor's own limit is 1024: wider LayerNorms (774M, 1558M) would read their rows twice
+    persistent_rows: int = setting(2048, "Inductor reduces rows up to this wide in registers")
     # "no_inplace": with in-place buffers torch.compile has produced wrong losses and gradients
     # at 774M and 1558M (bench/RESULTS.md §2b); no cost measured
     buffer_reuse: str = setting("no_inplace", "Inductor buffer reuse: all, no_inplace or none")
@@ -245,6 +247,8 @@ def _check_ranges(cfg):
             "dropout with a fresh mask and silently get wrong gradients (pytorch issue #190758); "
             "use one or the other"
         )
+    if cfg.persistent_rows < 1:
+        raise ConfigError(f"config key 'persistent_rows' must be >= 1, got {cfg.persistent_rows}")
     if cfg.buffer_reuse not in BUFFER_REUSE:
         raise ConfigError(
             f"config key 'buffer_reuse': one of {tuple(BUFFER_REUSE)}, not {cfg.buffer_reuse!r}"

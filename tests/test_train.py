@@ -5,6 +5,7 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -455,10 +456,14 @@ def test_compile_settings_hold_for_the_run_only(tiny_args, tmp_path, monkeypatch
             inductor_config.allow_buffer_reuse,
         )
 
-    seen = []
+    from torch._inductor.choices import InductorChoices
+
+    inductors = InductorChoices.should_use_persistent_reduction
+    seen, patched = [], []
 
     def fake_compile(model, mode=None):  # records the settings instead of compiling on CPU
         seen.append(settings() + (mode,))
+        patched.append(InductorChoices.should_use_persistent_reduction is not inductors)
         return model
 
     monkeypatch.setattr(train.torch, "compile", fake_compile)
@@ -472,6 +477,84 @@ def test_compile_settings_hold_for_the_run_only(tiny_args, tmp_path, monkeypatch
     train.main(args + [f"--out_dir={tmp_path}/2", "--buffer_reuse=no_inplace"])
     assert seen[1] == (0.5, True, False, True, "default")
     assert settings() == before
+    train.main(args + [f"--out_dir={tmp_path}/3", "--persistent_rows=1024"])
+    assert patched == [True, True, False]  # 1024: Inductor's own choice, nothing patched
+    assert InductorChoices.should_use_persistent_reduction is inductors
+
+
+class _Reduction:
+    """What Inductor's persistent-reduction heuristic reads of a kernel (SIMDKernelFeatures)."""
+
+    def __init__(self, numel, hint):
+        self.reduction_numel, self.hint = numel, hint
+
+    def get_reduction_hint(self):
+        return self.hint
+
+
+def test_persistent_rows_keeps_inner_rows_up_to_the_limit_in_registers():
+    """Inner reductions (LayerNorm's statistics over the last dim) up to the limit are
+    persistent; everything else is left to Inductor; the patch and its cache tag hold for the
+    context only."""
+    import sympy
+    import torch._inductor.config as inductor_config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+
+    asked = []
+
+    def inductors(features, cooperative_reduction):
+        asked.append(features.reduction_numel)
+        return "inductor's"
+
+    def rule(numel, hint=ReductionHint.INNER, cooperative=False):
+        features = _Reduction(numel, hint)
+        return compile_guard._row_is_persistent(features, cooperative, 2048, inductors)
+
+    assert rule(1600) is True and rule(sympy.Integer(2048)) is True and rule(1280) is True
+    assert rule(2049) == rule(6400) == "inductor's"  # too wide
+    assert rule(1600, ReductionHint.OUTER) == rule(1600, ReductionHint.DEFAULT) == "inductor's"
+    assert rule(1600, cooperative=True) == "inductor's"
+    assert rule(sympy.Symbol("s0", positive=True, integer=True)) == "inductor's"  # dynamic
+    with inductor_config.patch({"triton.persistent_reductions": False}):
+        assert rule(1600) == "inductor's"
+    assert len(asked) == 7
+
+    original = InductorChoices.should_use_persistent_reduction
+    with compile_guard.persistent_rows(2048):
+        assert InductorChoices.should_use_persistent_reduction is not original
+        assert inductor_config.post_grad_custom_post_pass.uuid() == "persistent_rows=2048"
+    assert InductorChoices.should_use_persistent_reduction is original
+    assert inductor_config.post_grad_custom_post_pass is None
+    with compile_guard.persistent_rows(compile_guard.INDUCTOR_PERSISTENT_ROWS):
+        assert InductorChoices.should_use_persistent_reduction is original
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("width", [1280, 1600])
+def test_gpu_wide_layernorm_compiles_to_one_read_of_each_row(width):
+    """The residual add + LayerNorm of a 774M / 1558M block (bf16 stream, fp32 statistics)
+    compiles to a persistent reduction under the trainer's settings, and matches eager mode."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    x, branch = torch.randn(2, 4096, width, device="cuda", dtype=torch.bfloat16).unbind(0)
+    ln = torch.nn.LayerNorm(width, device="cuda")
+
+    def block(x, branch):
+        x = x + branch
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return x, ln(x).to(torch.bfloat16)
+
+    torch._dynamo.reset()
+    with compile_guard.compiler_settings(config.TrainConfig()):
+        out, codes = run_and_get_code(torch.compile(block), x, branch)
+    kernels = [k for code in codes for k in re.findall(r"def (triton_\w+)\(", code)]
+    norms = [k for k in kernels if "layer_norm" in k]
+    assert norms and all(k.startswith("triton_per_") for k in norms), kernels
+    for got, ref in zip(out, block(x, branch), strict=True):
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
 
 
 def test_z_loss_leaves_the_compiled_training_graph_whole():
