@@ -83,6 +83,39 @@ def test_bench_fused_loss_set_parses_each_value_as_its_option_type():
             bench_fused_loss.parse_set(bad, config)
 
 
+def test_bench_fused_loss_repeats_take_turns_and_ratio_within_each_repeat():
+    """--repeats: every round times each method once, in order; a row's times are medians over
+    the rounds and its ratio the median of per-round ratios to the base method; a method that
+    raises keeps its error row while the others go on."""
+    order, drift = [], iter(range(100))
+
+    def time_one(name):  # the prepared "timers" are the method's name here
+        order.append(name)
+        slow = next(drift)  # the machine gets slower with every timing
+        if name == "flaky" and len(order) > 4:
+            raise RuntimeError("boom")
+        speed = {"compile": 10.0, "ours": 8.0, "flaky": 20.0}[name]
+        return dict(fwd_bwd_ms=speed + slow, fwd_ms=1.0, gpu_ms=speed * (1 + slow / 100))
+
+    prepared = {
+        "compile": ("compile", dict(peak_mib=1.0)),
+        "missing": dict(error="did not import"),
+        "ours": ("ours", dict(peak_mib=2.0)),
+        "flaky": ("flaky", dict(peak_mib=3.0)),
+    }
+    rows = bench_fused_loss.interleaved(prepared, 3, time_one, "compile")
+    assert order == ["compile", "ours", "flaky", "compile", "ours", "flaky", "compile", "ours"]
+    assert list(rows) == ["compile", "missing", "ours", "flaky"]
+    assert rows["missing"] == dict(error="did not import")
+    assert "boom" in rows["flaky"]["error"] and rows["flaky"]["failed_repeat"] == 1
+    ours = rows["ours"]
+    assert ours["fwd_bwd_ms_each"] == [9.0, 12.0, 15.0] and ours["fwd_bwd_ms"] == 12.0
+    assert ours["repeats"] == 3 and ours["peak_mib"] == 2.0
+    walls = [(8 + k) / (10 + k - 1) for k in (1, 4, 7)]  # ours after compile in each round
+    assert ours["wall_vs_compile"] == pytest.approx(sorted(walls)[1])
+    assert rows["compile"]["wall_vs_compile"] == rows["compile"]["gpu_vs_compile"] == 1.0
+
+
 def test_throughput_keeps_the_allocators_words_on_out_of_memory():
     out = (
         "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 23.02 GiB. "
