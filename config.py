@@ -50,6 +50,7 @@ class TrainConfig:
     # fast paths: "fast" or "torch" (the plain PyTorch path); both compute the same math
     loss_impl: str = setting("fast", '"fast": fused linear+cross-entropy; "torch": full logits')
     mlp_impl: str = setting("fast", '"fast": the GELU in cuBLASLt epilogues; "torch": F.gelu')
+    attn_impl: str = setting("fast", '"fast": c_attn + cuDNN attention, one op; "torch": F.sdpa')
     adamw_impl: str = setting("fast", '"fast": one Triton launch (CUDA fp32); "torch": torch.optim')
     low_precision_residual: bool = setting(True, "residual stream in bf16 under autocast (llm.c)")
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
@@ -111,7 +112,7 @@ PRESET_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padde
 MODEL_KEYS = PRESET_KEYS + ("dropout", "bias", "low_precision_residual", "softcap")
 # how a layer is computed, not what: a run may resume with other values (e.g. "torch" where
 # cuBLASLt is missing); every other model key must match the checkpoint's
-IMPL_KEYS = ("loss_impl", "mlp_impl")
+IMPL_KEYS = ("loss_impl", "mlp_impl", "attn_impl")
 MODEL_KEYS += IMPL_KEYS
 
 
@@ -202,7 +203,8 @@ def load_config(argv):
         values.update({k: preset[k] for k in PRESET_KEYS})
     values.update(overrides)
     cfg = TrainConfig(**values)
-    for key in ("loss_impl", "mlp_impl", "adamw_impl"):  # old names ("fused", ...) still accepted
+    # old names ("fused", ...) still accepted
+    for key in ("loss_impl", "mlp_impl", "attn_impl", "adamw_impl"):
         try:
             setattr(cfg, key, normalise_impl(key, getattr(cfg, key)))
         except ValueError as e:

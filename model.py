@@ -20,7 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import generate
-from fused_loss import cublaslt, fused_linear_cross_entropy, gemv, linear_cross_entropy_reference
+from fused_loss import (
+    attention,
+    cublaslt,
+    fused_linear_cross_entropy,
+    gemv,
+    linear_cross_entropy_reference,
+)
 from fused_loss.mlp import mlp_cublaslt, mlp_reference
 
 # name -> (n_layer, n_head, n_embd); block size 1024, vocab 50257 for all of them.
@@ -32,21 +38,20 @@ _PRESETS = {
 }
 _ALIASES = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
 
-# The fast-path switches (loss_impl, mlp_impl; train.py's adamw_impl): "fast" or "torch" (the
-# plain PyTorch path, same math). The names each switch had before stay accepted.
+# The fast-path switches (loss_impl, mlp_impl, attn_impl; train.py's adamw_impl): "fast" or
+# "torch" (the plain PyTorch path, same math). The names each switch had before stay accepted.
 IMPLS = ("fast", "torch")
 _OLD_IMPL_NAMES = {"loss_impl": "fused", "mlp_impl": "cublaslt", "adamw_impl": "triton"}
 
 
 def normalise_impl(key, value):
     """A fast-path switch's value in today's vocabulary ("fused" for loss_impl -> "fast", ...)."""
-    if value == _OLD_IMPL_NAMES[key]:
+    old = _OLD_IMPL_NAMES.get(key)
+    if value == old:
         return "fast"
     if value not in IMPLS:
-        old = _OLD_IMPL_NAMES[key]
-        raise ValueError(
-            f"{key} must be 'fast' or 'torch' (or its old name {old!r}), got {value!r}"
-        )
+        also = f" (or its old name {old!r})" if old else ""
+        raise ValueError(f"{key} must be 'fast' or 'torch'{also}, got {value!r}")
     return value
 
 
@@ -70,6 +75,11 @@ class GPTConfig:
     # where the matmuls run in bf16/fp16 on CUDA, the torch path elsewhere; "torch": F.linear +
     # F.gelu everywhere. Same math (bench/RESULTS.md §2c).
     mlp_impl: str = "fast"
+    # "fast": c_attn and the attention as one op whose backward lays out and sums the qkv
+    # gradient in one pass (fused_loss/attention.py), on Hopper GPUs in bf16/fp16, causal
+    # training and evaluation without dropout; the torch path elsewhere. "torch": nn.Linear +
+    # F.scaled_dot_product_attention everywhere. Same math (bench/RESULTS.md §2i).
+    attn_impl: str = "fast"
     # logits become softcap * tanh(logits / softcap), in the loss and in what forward returns
     # (Gemma 2, modded-nanogpt); 0: off
     softcap: float = 0.0
@@ -86,6 +96,7 @@ class GPTConfig:
         # old checkpoints say loss_impl="fused", mlp_impl="cublaslt"
         self.loss_impl = normalise_impl("loss_impl", self.loss_impl)
         self.mlp_impl = normalise_impl("mlp_impl", self.mlp_impl)
+        self.attn_impl = normalise_impl("attn_impl", self.attn_impl)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not (math.isfinite(self.softcap) and self.softcap >= 0):
@@ -111,9 +122,15 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
+        # decided once, here (as MLP.use_cublaslt): no device probing inside the forward
+        self.use_fast = config.attn_impl == "fast" and config.dropout == 0 and attention.available()
 
     def forward(self, x, cache=None, layer=0):
-        y = self.attend(self.c_attn(x), cache, layer)
+        y = None
+        if self.use_fast and cache is None:  # attention_fast: None where it does not apply
+            y = attention.attention_fast(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
+        if y is None:
+            y = self.attend(self.c_attn(x), cache, layer)
         return self.resid_dropout(self.c_proj(y))
 
     def attend(self, qkv, cache=None, layer=0, stored=False):
@@ -152,12 +169,20 @@ class MLP(nn.Module):
             config.mlp_impl == "fast" and torch.cuda.is_available() and cublaslt.available()
         )
 
-    def forward(self, x, decode=False):
+    def forward(self, x, decode=False, residual=None):
+        """The MLP of x, plus residual when given (added in c_proj's epilogue where it can be)."""
         w = (self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias)
         # mlp_cublaslt: None where it does not apply (CPU, fp32 matmuls); decoding (a prefill,
         # or a step of several rows: model._decode) keeps torch's calls
-        out = mlp_cublaslt(x, *w) if self.use_cublaslt and not decode else None
-        return self.dropout(mlp_reference(x, *w) if out is None else out)
+        out = None
+        if self.use_cublaslt and not decode:
+            # dropout comes between c_proj and the residual add: with it on, the add stays here
+            fused = residual if self.dropout.p == 0 or not self.training else None
+            out = mlp_cublaslt(x, *w, residual=fused)
+            if out is not None and fused is not None:
+                return out
+        out = self.dropout(mlp_reference(x, *w) if out is None else out)
+        return out if residual is None else residual + out
 
 
 class Block(nn.Module):
@@ -173,7 +198,7 @@ class Block(nn.Module):
         if step and not self.training and gemv.applies(x, self.attn.c_attn.weight):
             return self._decode_row(x, cache, layer)
         x = x + self.attn(self.ln_1(x), cache, layer)
-        return x + self.mlp(self.ln_2(x), decode=cache is not None)
+        return self.mlp(self.ln_2(x), decode=cache is not None, residual=x)
 
     def _decode_row(self, x, cache, layer):
         """forward for a decoding step of one sequence (x (1, 1, C), bf16/fp16 on CUDA, cache a

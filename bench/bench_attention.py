@@ -1,6 +1,6 @@
 """Causal attention at the training shapes: each scaled_dot_product_attention backend, same run.
 
-    python bench/bench_attention.py [--shapes 124M:32,1558M:16] [--repeats 5]
+    python bench/bench_attention.py [--shapes 124M:32,1558M:16] [--repeats 5] [--branch]
 
 For each GPT-2 shape (B, nh, T = 1024, hs = 64, bf16, is_causal) and each backend that accepts
 it (torch's own pick, cuDNN, flash, mem-efficient): forward and forward + backward in ms (CUDA
@@ -10,10 +10,17 @@ and dv against fp32 math attention on the same bf16 inputs (max abs error / max 
 torch's pick is whichever kernel scaled_dot_product_attention chooses with every backend on.
 Prints a table last. On an H200 with torch 2.11, torch's pick is cuDNN's kernel already
 (bench/RESULTS.md §2e).
+--branch times the training branch instead: c_attn + attention forward + backward under bf16
+autocast with an fp32 weight (GPU ms, median of rounds), torch's path (nn.Linear + SDPA) compiled
+against fused_loss/attention.py's op (model attn_impl="fast") compiled; and its two passes alone:
+the qkv gradient's layout + bias sum (colsum.qkv_grad) against the compiled cat + sum, and
+colsum against the compiled sum of an (M, 4C) gradient (the MLP's c_fc bias) (§2i).
 """
 
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +107,54 @@ def measure(name, batch, repeats):
     return rows
 
 
+def branch(name, batch, repeats):
+    """Rows (shape, case, ms) of the --branch timings."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from fused_loss import attention, colsum
+
+    n_head, C = SHAPES[name]
+    B, T = batch, 1024
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(B, T, C, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(3 * C, C, device="cuda", generator=g) * C**-0.5).requires_grad_()
+    b = torch.zeros(3 * C, device="cuda", requires_grad=True)
+    dy = torch.randn(B, T, C, device="cuda", generator=g).bfloat16()
+
+    def plain(x, w, b):
+        q, k, v = F.linear(x, w, b).split(C, dim=2)
+        q, k, v = [t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in (q, k, v)]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+    def ours(x, w, b):
+        return attention.attention_fast(x, w, b, n_head)
+
+    rows = []
+    for case, fn in (("torch path, compiled", plain), ("attention op, compiled", ours)):
+        f = torch.compile(fn)
+
+        def step(f=f):
+            with torch.autocast("cuda", torch.bfloat16):
+                y = f(x, w, b)
+            y.backward(dy.view(y.shape))
+
+        rows.append((f"{name}:{batch}", case, time_ms(step, repeats)))
+    M = B * T
+    parts = [torch.randn(M, C, device="cuda", generator=g).bfloat16() for _ in range(3)]
+    cat_sum = torch.compile(lambda a, b, c: (lambda t: (t, t.sum(0, dtype=torch.float32)))(
+        torch.cat([a, b, c], 1)))  # fmt: skip
+    rows.append(
+        (f"{name}:{batch}", "cat + sum, compiled", time_ms(lambda: cat_sum(*parts), repeats))
+    )
+    rows.append(
+        (f"{name}:{batch}", "colsum.qkv_grad", time_ms(lambda: colsum.qkv_grad(*parts), repeats))
+    )
+    dh = torch.randn(M, 4 * C, device="cuda", generator=g).bfloat16()
+    col = torch.compile(lambda t: t.sum(0, dtype=torch.float32))
+    rows.append((f"{name}:{batch}", "(M, 4C) sum, compiled", time_ms(lambda: col(dh), repeats)))
+    rows.append((f"{name}:{batch}", "colsum.colsum", time_ms(lambda: colsum.colsum(dh), repeats)))
+    return rows
+
+
 def table(rows):
     lines = [
         "| shape | backend | fwd ms | fwd+bwd ms | TFLOP/s | err y / dq / dk / dv |",
@@ -121,6 +176,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", default="124M:32,1558M:16", help="model:batch list")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--branch", action="store_true", help="the training branch and its passes")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py times CUDA kernels: no GPU here")
@@ -128,7 +184,14 @@ def main():
     rows = []
     for spec in args.shapes.split(","):
         name, batch = spec.split(":")
-        rows += measure(name, int(batch), args.repeats)
+        if args.branch:
+            rows += branch(name, int(batch), args.repeats)
+        else:
+            rows += measure(name, int(batch), args.repeats)
+    if args.branch:
+        print("| shape | case | ms |\n|---|---|---|")
+        print("\n".join(f"| {s} | {c} | {ms:.3f} |" for s, c, ms in rows))
+        return
     print(table(rows))
 
 

@@ -6,7 +6,7 @@
 #
 # 1. every GPU test: pytest -m gpu tests/
 # 2. the throughput pair, train.py's defaults against the plain path (materialised logits, torch
-#    MLP, torch's fused AdamW, fp32 residual stream): 1558M at micro-batch 16 first
+#    MLP and attention, torch's fused AdamW, fp32 residual stream): 1558M at micro-batch 16 first
 #    (REPEATS_LARGE runs: a cold 1558M pair takes 260-310 s, so three of them do not fit the
 #    device's 600 s a call with the rest), then 124M at 32 (REPEATS runs of each, interleaved:
 #    medians and ratios). No run starts that would end past BUDGET seconds from the start (a

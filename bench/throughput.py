@@ -46,7 +46,7 @@ sys.path.insert(0, ROOT)
 from data.shards import write_shard  # noqa: E402
 
 PRESETS = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
-PLAIN = ["--loss_impl='torch'", "--mlp_impl='torch'", "--adamw_impl='torch'"]
+PLAIN = ["--loss_impl='torch'", "--mlp_impl='torch'", "--attn_impl='torch'", "--adamw_impl='torch'"]
 PLAIN += ["--low_precision_residual=False"]
 IMPLS = {"default": [], "plain": PLAIN, "fused": ["--loss_impl='fused'"]}
 IMPLS["torch"] = ["--loss_impl='torch'"]

@@ -8,6 +8,8 @@
     checks.py                input checks shared by both
     cublaslt.py              a ctypes binding of cuBLASLt matmuls with epilogues
     mlp.py                   the MLP with its GELU in cuBLASLt GEMM epilogues (model.py)
+    attention.py             c_attn + cuDNN attention as one op, its backward's qkv pass (model.py)
+    colsum.py                bias-gradient column sums, the qkv gradient's layout in the same pass
     adamw.py                 AdamW over all parameters in one Triton launch (optim.py)
     gemv.py                  a decoding step's linear layers at batch 1 (model.py, generate.py)
 

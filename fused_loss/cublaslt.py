@@ -1,25 +1,30 @@
 """One cuBLASLt matmul with an epilogue, called through ctypes: torch reaches cuBLASLt's bias and
-plain GELU epilogues (addmm, torch._addmm_activation) but not GELU_AUX_BIAS or DGELU, and does not
-let the algorithm be chosen by timing.
+plain GELU epilogues (addmm, torch._addmm_activation) but not GELU_AUX_BIAS or DGELU, nor a bias
+epilogue that also adds a separate matrix C, and does not let the algorithm be chosen by timing.
 
-    matmul(a, b, out, bias=None, aux=None, epilogue=EPI_DEFAULT)   # out = a @ b, then epilogue
-    matmul(a, b, out, beta=1.0)                                    # out += a @ b
+    matmul(a, b, out, bias=None, aux=None, epilogue=EPI_DEFAULT)     # out = a @ b, then epilogue
+    matmul(a, b, out, beta=1.0)                                      # out += a @ b
+    matmul(a, b, out, c=c, beta=1.0, bias=bias, epilogue=EPI_BIAS)   # out = a @ b + c + bias
 
 a (m, k), b (k, n): CUDA tensors of one float dtype; out (m, n) in it or fp32; each row-major or
-a transposed view of one (out contiguous); fp32 accumulation. cuBLAS is column-major, so a
-row-major (m, n) matrix is its (n, m) transpose: out^T = b^T @ a^T is what cuBLASLt is asked
-for (cuBLAS "A" = b, "B" = a).
-Epilogues used (values from cublasLt.h):
+a transposed view of one (out contiguous); fp32 accumulation. c (m, n): what beta scales instead
+of out (cuBLASLt's C, out its D), contiguous in out's dtype, read only. cuBLAS is column-major,
+so a row-major (m, n) matrix is its (n, m) transpose: out^T = b^T @ a^T is what cuBLASLt is
+asked for (cuBLAS "A" = b, "B" = a).
+Epilogues used (values from cublasLt.h); bias (n,) is broadcast over rows and read in out's
+dtype (cuBLASLt's default bias type is D's):
+    BIAS           out = a @ b + beta * C + bias (C = c, or out itself)
     GELU_AUX_BIAS  out = gelu_tanh(a @ b + bias), aux = a @ b + bias (the pre-activation)
     DGELU          out = (a @ b) * gelu_tanh'(aux)
 The first call of each shape / layout / alignment / epilogue / workspace limit times the
 heuristic's first `candidates` algorithms (and the caller's `reference`, if given) and keeps the
 fastest (TUNING records the times): the heuristic's first pick was up to 7 % slower on GPT-2's
 MLP shapes (bench/RESULTS.md §2c) and up to 1.27x on the classifier's accumulating dw GEMM
-(§1). With beta = 0 the timing runs on the call's own operands and overwrites out, which the
-call's launch then rewrites; tune_beta = 1 times them as accumulating calls (the classifier's
-first dw chunk). With beta != 0 a zero stand-in replaces one operand, so that out keeps its sum
-(_timing_operands). The pick is per process: two runs may pick differently (not bitwise equal).
+(§1). With beta = 0, or a separate c, the timing runs on the call's own operands and only
+overwrites out, which the call's launch then rewrites; tune_beta = 1 times them as accumulating
+calls (the classifier's first dw chunk). With beta != 0 and C = out a zero stand-in replaces one
+operand, so that out keeps its sum (_timing_operands). The pick is per process: two runs may
+pick differently (not bitwise equal).
 The library is the libcublasLt this process has loaded (torch's), else one found by its soname
 or under the nvidia/ pip packages next to torch.
 """
@@ -39,7 +44,8 @@ DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8  # cubla
 DESC_AUX_POINTER, DESC_AUX_LD = 11, 12  # ...Attributes_t
 PREF_MAX_WORKSPACE, PREF_MIN_ALIGNMENT_A = 1, 5  # cublasLtMatmulPreferenceAttributes_t (B, C,
 # D: 6, 7, 8): the heuristic assumes 256-byte aligned operands unless told less
-EPI_DEFAULT, EPI_GELU_AUX_BIAS, EPI_DGELU = 1, 32 | 128 | 4, 64 | 128  # cublasLtEpilogue_t
+EPI_DEFAULT, EPI_BIAS = 1, 4  # cublasLtEpilogue_t
+EPI_GELU_AUX_BIAS, EPI_DGELU = 32 | 128 | EPI_BIAS, 64 | 128
 WORKSPACE = 32 * 2**20  # bytes, what cuBLAS asks for on Hopper
 CANDIDATES = 8
 ALGOS = {}  # (device, key, candidates, with a reference) -> the fastest measured for that key
@@ -155,7 +161,8 @@ def _operand(t):
 
 @functools.cache
 def _plan(key):
-    """The operation descriptor, the A, B, D layouts and the search preference of one key."""
+    """The operation descriptor, the A, B, D layouts (D's serves C too: a separate c has out's
+    layout) and the search preference of one key."""
     (opa, ra, ca, lda, ta), (opb, rb, cb, ldb, tb), (n, m, td), epilogue, max_workspace, aligns = (
         key
     )
@@ -183,7 +190,7 @@ def _plan(key):
         lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE, ctypes.byref(size), 8),
         "preference attribute",
     )
-    for i, align in enumerate(aligns + aligns[-1:]):  # A, B, C, D (C is D)
+    for i, align in enumerate(aligns):  # A, B, C, D
         v = ctypes.c_uint32(align)
         _check(
             lib.cublasLtMatmulPreferenceSetAttribute(
@@ -209,21 +216,35 @@ def matmul(
     aux=None,
     epilogue=EPI_DEFAULT,
     beta=0.0,
+    c=None,
     tune_beta=None,
     candidates=CANDIDATES,
     max_workspace=WORKSPACE,
     reference=None,
 ):
-    """out = a @ b + beta * out, then `epilogue` (module docstring): bias (n,), aux (m, n) where
-    it uses them. tune_beta (default: beta): the beta the candidates are timed with on a first
-    call; candidates: how many of the heuristic's algorithms that timing tries; max_workspace:
-    bytes of workspace an algorithm may use; reference(beta, a=, b=): the same GEMM by other means
+    """out = a @ b + beta * c (c None: out itself), then `epilogue` (module docstring): bias (n,),
+    aux (m, n) where it uses them; c (m, n) contiguous in out's dtype, not overlapping out unless
+    it is out. tune_beta (default: beta): the beta the candidates are timed with on a first call;
+    candidates: how many of the heuristic's algorithms that timing tries; max_workspace: bytes of
+    workspace an algorithm may use; reference(beta, a=, b=): the same GEMM by other means
     (torch's cuBLAS call), timed as one more candidate and run instead when it is the fastest."""
     m, n = out.shape
     if out.stride() != (n, 1) or (
         aux is not None and (aux.shape, aux.stride()) != (out.shape, (n, 1))
     ):
         raise ValueError("cuBLASLt matmul: out and aux must be contiguous (m, n)")
+    if c is not None and (c.shape, c.stride(), c.dtype) != (out.shape, (n, 1), out.dtype):
+        raise ValueError("cuBLASLt matmul: c must be contiguous (m, n) in out's dtype")
+    # the descriptor is cached per key: a bias epilogue without its bias would read the last one
+    if epilogue in (EPI_BIAS, EPI_GELU_AUX_BIAS) and (
+        bias is None or (bias.shape, bias.stride(), bias.dtype) != ((n,), (1,), out.dtype)
+    ):
+        raise ValueError("cuBLASLt matmul: a bias epilogue needs bias (n,) in out's dtype")
+    if c is not None and c.data_ptr() == out.data_ptr():
+        c = None  # out itself (same layout): C = D, in place
+    if c is not None and c.data_ptr() % 16:  # seen on the H200 (tests/test_cublaslt.py)
+        raise ValueError("cuBLASLt matmul: a separate c must be 16-byte aligned (with less, "
+                         "cuBLASLt rounds a @ b to out's dtype before adding it)")  # fmt: skip
     opa, ra, ca, lda = _operand(b)  # cuBLAS A = b^T (n, k)
     opb, rb, cb, ldb = _operand(a)  # cuBLAS B = a^T (k, m)
     key = (
@@ -232,8 +253,8 @@ def matmul(
         (n, m, DTYPES[out.dtype]),
         epilogue,
         max_workspace,
-        (_alignment(b), _alignment(a), _alignment(out)),
-    )
+        (_alignment(b), _alignment(a), _alignment(out if c is None else c), _alignment(out)),
+    )  # a separate c has out's layout: one plan (and algorithm) with or without it
     desc, (layout_a, layout_b, layout_d), pref = _plan(key)
     if bias is not None:
         _set(desc, DESC_BIAS_POINTER, bias.data_ptr(), ctypes.c_void_p)
@@ -243,11 +264,13 @@ def matmul(
     handle, workspace = _handle(dev), _workspace(dev, max_workspace)
     stream = ctypes.c_void_p(torch.cuda.current_stream(out.device).cuda_stream)
 
-    def launch(algo, beta, a=a, b=b):  # C = D = out (C is not read when beta = 0)
+    c_ptr = out.data_ptr() if c is None else c.data_ptr()
+
+    def launch(algo, beta, a=a, b=b):  # C = c or out (not read when beta = 0), D = out
         alpha, beta = ctypes.c_float(1.0), ctypes.c_float(beta)
         return _lib().cublasLtMatmul(
             handle, desc, ctypes.byref(alpha), b.data_ptr(), layout_a, a.data_ptr(), layout_b,
-            ctypes.byref(beta), out.data_ptr(), layout_d, out.data_ptr(), layout_d,
+            ctypes.byref(beta), c_ptr, layout_d, out.data_ptr(), layout_d,
             ctypes.byref(algo), workspace.data_ptr(), max_workspace, stream,
         )  # fmt: skip
 
@@ -255,7 +278,7 @@ def matmul(
     if algo is None:
         found = _heuristic(handle, desc, (layout_a, layout_b, layout_d), pref, key, candidates)
         algo = found[0].algo
-        ops = _timing_operands(a, b, beta)
+        ops = _timing_operands(a, b, beta, c)
         if ops is not None:
             tune = beta if tune_beta is None else tune_beta
             algos = [r.algo for r in found if r.state == 0]
@@ -271,15 +294,16 @@ def matmul(
     return out
 
 
-def _timing_operands(a, b, beta):
+def _timing_operands(a, b, beta, c=None):
     """The operands to time candidates on without changing what the call computes: dict(a=, b=).
 
-    beta = 0: the call's own (out is rewritten by the call's launch after). beta != 0: out holds
-    what the call adds to, so a zero copy of the smaller dense operand stands in for it (out +=
-    a @ 0 leaves out as it is; a GEMM's time does not depend on the values). None when neither
-    operand is dense (the heuristic's first pick then runs, untimed and not kept).
+    beta = 0 or a separate c (out = a @ b + beta * c): the call's own (out is only written, and
+    the call's launch rewrites it after). beta != 0 with C = out: out holds what the call adds
+    to, so a zero copy of the smaller dense operand stands in for it (out += a @ 0 leaves out as
+    it is; a GEMM's time does not depend on the values). None when neither operand is dense (the
+    heuristic's first pick then runs, untimed and not kept).
     """
-    if beta == 0:
+    if beta == 0 or c is not None:
         return dict(a=a, b=b)
     dense = [t for t in (a, b) if t.is_contiguous() or t.t().is_contiguous()]
     if not dense:

@@ -1,14 +1,18 @@
 """GPT-2's MLP with the GELU and its gradient inside the GEMMs (cuBLASLt epilogues, as llm.c).
 
-    out = c_proj(gelu_tanh(c_fc(x)))     x (M, D), W_fc (F, D), W_proj (D, F), F = 4 D
+    out = r + c_proj(gelu_tanh(c_fc(x)))   x (M, D), W_fc (F, D), W_proj (D, F), F = 4 D,
+                                           r (M, D) the residual stream, or none
 
 Forward, one opaque op (mlp_gelu):
     h = x @ W_fc.T + b_fc, a = gelu_tanh(h)   one GEMM, GELU_AUX_BIAS epilogue: writes a and h
-    out = a @ W_proj.T + b_proj              cuBLAS addmm (bias epilogue)
+    out = a @ W_proj.T + b_proj              without r: cuBLAS addmm (bias epilogue)
+    out = a @ W_proj.T + r + b_proj          with r: one cuBLASLt GEMM, C = r, BIAS epilogue
 Backward (plain torch ops, so under torch.compile Inductor traces and fuses them, e.g. the two
 bias sums), but for the GELU gradient:
     dh = (dout @ W_proj) * gelu_tanh'(h)     one GEMM, DGELU epilogue (dgelu_mm)
-    dx = dh @ W_fc, dW_fc = dh.T @ x, db_fc = sum_rows dh, dW_proj = dout.T @ a, db_proj = sum dout
+    dx = dh @ W_fc, dW_fc = dh.T @ x, db_fc = sum_rows dh (colsum.py), dW_proj = dout.T @ a,
+    db_proj = sum dout
+    dr = dout                                (the residual passes the gradient through)
 The GEMMs run in the compute dtype (bf16 under autocast, on the caller's casts of the weights)
 with fp32 accumulation, and the weight gradients leave them in the parameters' own dtype: fp32
 for fp32 master weights, not rounded to bf16 and cast back (so the op takes each weight twice,
@@ -18,19 +22,26 @@ What goes against F.linear + F.gelu: the GELU forward and GELU-gradient kernels 
 (M, F) read and write) and the casts of dW to fp32. The GELU is evaluated on the fp32
 accumulator rather than on h rounded to bf16, so `a` can differ from torch's by a rounding; the
 errors against fp64 are no larger (tests/test_mlp.py). Timings: bench/RESULTS.md §2c, §2g.
+The residual is added in c_proj's epilogue (no separate add that reads out back; one rounding
+of the sum instead of two) only when it comes contiguous in the compute dtype (a bf16 residual
+stream); any other residual (an fp32 stream) is added outside the op by torch, as the caller
+would, so callers need not know which.
 
 mlp_cublaslt is the entry point: None where it does not apply (no CUDA, no bf16/fp16 compute
-dtype, no biases, widths not multiples of 8), and the caller runs the torch path
-(mlp_reference). Whether libcublasLt loads at all (`cublaslt.available()`, ctypes) is the
+dtype, no biases, widths not multiples of 8), and the caller runs the torch path (residual +
+mlp_reference). Whether libcublasLt loads at all (`cublaslt.available()`, ctypes) is the
 caller's to decide once, outside torch.compile's region: Dynamo cannot trace ctypes, and a
 probe inside the forward broke the compiled graph into pieces (model.MLP decides at
 construction).
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
-from fused_loss.cublaslt import EPI_DGELU, EPI_GELU_AUX_BIAS, matmul
+from fused_loss.colsum import colsum
+from fused_loss.cublaslt import EPI_BIAS, EPI_DGELU, EPI_GELU_AUX_BIAS, matmul
 
 
 @torch.library.custom_op("fused_loss::dgelu_mm", mutates_args=())
@@ -55,26 +66,33 @@ def mlp_gelu(
     w_proj: torch.Tensor,
     w_proj_c: torch.Tensor,
     b_proj: torch.Tensor,
+    residual: Optional[torch.Tensor],  # noqa: UP045 (custom_op parses the annotation)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, h, a) of the module docstring. x (M, D) in the compute dtype; w_fc, w_proj the
     parameters (only their gradients' dtype is read), w_fc_c, w_proj_c their casts to the compute
-    dtype; the biases in any dtype."""
+    dtype; the biases in any dtype; residual None or (M, D), contiguous in the compute dtype."""
     h = x.new_empty((x.shape[0], w_fc_c.shape[0]))
     a = torch.empty_like(h)
     matmul(x, w_fc_c.t(), a, bias=b_fc.to(x.dtype), aux=h, epilogue=EPI_GELU_AUX_BIAS)
-    return torch.addmm(b_proj.to(x.dtype), a, w_proj_c.t()), h, a
+    if residual is None or residual.data_ptr() % 16:  # cublaslt.matmul takes 16-byte aligned c
+        out = torch.addmm(b_proj.to(x.dtype), a, w_proj_c.t())
+        return out if residual is None else out.add_(residual), h, a
+    out = x.new_empty((x.shape[0], w_proj_c.shape[0]))
+    matmul(a, w_proj_c.t(), out, bias=b_proj.to(x.dtype), c=residual, beta=1.0, epilogue=EPI_BIAS)
+    return out, h, a
 
 
 @mlp_gelu.register_fake
-def _(x, w_fc, w_fc_c, b_fc, w_proj, w_proj_c, b_proj):
+def _(x, w_fc, w_fc_c, b_fc, w_proj, w_proj_c, b_proj, residual):
     h = x.new_empty((x.shape[0], w_fc_c.shape[0]))
     return x.new_empty((x.shape[0], w_proj_c.shape[0])), h, torch.empty_like(h)
 
 
 def _setup_context(ctx, inputs, output):
-    x, w_fc, w_fc_c, b_fc, w_proj, w_proj_c, b_proj = inputs
+    x, w_fc, w_fc_c, b_fc, w_proj, w_proj_c, b_proj, residual = inputs
     _, h, a = output
     ctx.dtypes = w_fc.dtype, b_fc.dtype, w_proj.dtype, b_proj.dtype
+    ctx.residual = residual is not None
     ctx.save_for_backward(x, w_fc_c, w_proj_c, h, a)
 
 
@@ -93,29 +111,39 @@ def _backward(ctx, dout, _dh, _da):
         dh @ w_fc_c,
         _mm(dh.t(), x, dw_fc),
         None,
-        dh.sum(0, dtype=torch.float32).to(db_fc),
+        colsum(dh).to(db_fc),  # Inductor's column sum is slower at these shapes (§2i)
         _mm(dout.t(), a, dw_proj),
         None,
         dout.sum(0, dtype=torch.float32).to(db_proj),
+        dout if ctx.residual else None,  # residual: out's dtype and shape, so dout as it is
     )
 
 
 mlp_gelu.register_autograd(_backward, setup_context=_setup_context)
 
 
-def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj):
-    """c_proj(gelu_tanh(c_fc(x))) for x (..., D) on CUDA, in bf16/fp16 or under such autocast;
-    None where the epilogues do not apply (the caller then runs mlp_reference). Only tensor
-    metadata is read here, so that Dynamo traces it into the graph."""
+def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None):
+    """c_proj(gelu_tanh(c_fc(x))), plus residual if given (out's shape), for x (..., D) on CUDA,
+    in bf16/fp16 or under such autocast; None where the epilogues do not apply (the caller then
+    runs residual + mlp_reference). Only tensor metadata is read here, so that Dynamo traces it
+    into the graph."""
     if not x.is_cuda or b_fc is None or b_proj is None:
         return None
     dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
     if dt not in (torch.bfloat16, torch.float16) or x.shape[-1] % 8 or w_fc.shape[0] % 8:
         return None
-    shape = x.shape
-    x = x.to(dt).reshape(-1, shape[-1])
-    out, _, _ = mlp_gelu(x, w_fc, w_fc.to(dt), b_fc, w_proj, w_proj.to(dt), b_proj)
-    return out.view(*shape[:-1], out.shape[-1])
+    shape = (*x.shape[:-1], w_proj.shape[0])  # out's
+    x = x.to(dt).reshape(-1, x.shape[-1])
+    fused = (
+        residual is not None
+        and residual.dtype == dt
+        and residual.is_contiguous()
+        and tuple(residual.shape) == shape
+    )
+    r = residual.view(-1, shape[-1]) if fused else None  # (M, D)
+    out, _, _ = mlp_gelu(x, w_fc, w_fc.to(dt), b_fc, w_proj, w_proj.to(dt), b_proj, r)
+    out = out.view(shape)
+    return out if residual is None or fused else residual + out
 
 
 def mlp_reference(x, w_fc, b_fc, w_proj, b_proj):

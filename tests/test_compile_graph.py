@@ -110,9 +110,10 @@ def test_forward_reaches_no_library_probe(loss_impl, mlp_impl):
     assert not found, found
     # the walk is not vacuous: it reaches the fast paths' entry points
     from fused_loss import fused_linear_cross_entropy
+    from fused_loss.attention import attention_fast
     from fused_loss.mlp import mlp_cublaslt
 
-    assert {fused_linear_cross_entropy, mlp_cublaslt} <= seen
+    assert {fused_linear_cross_entropy, mlp_cublaslt, attention_fast} <= seen
 
 
 def test_the_walk_finds_a_probe():
@@ -137,10 +138,11 @@ def test_the_walk_finds_a_probe():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attn_impl", ["torch", "fast"])
 @pytest.mark.parametrize("low_precision_residual", [True, False])
 @pytest.mark.parametrize("mlp_impl", ["torch", "cublaslt"])
 @pytest.mark.parametrize("loss_impl", ["torch", "fused"])
-def test_gpu_fullgraph_for_every_switch(loss_impl, mlp_impl, low_precision_residual):
+def test_gpu_fullgraph_for_every_switch(loss_impl, mlp_impl, low_precision_residual, attn_impl):
     """torch.compile(fullgraph=True) of a training step (bf16 autocast, fp32 weights) for every
     fast-path switch: a graph break raises; the loss matches eager mode's."""
     torch.manual_seed(0)
@@ -152,9 +154,11 @@ def test_gpu_fullgraph_for_every_switch(loss_impl, mlp_impl, low_precision_resid
         loss_impl=loss_impl,
         mlp_impl=mlp_impl,
         low_precision_residual=low_precision_residual,
+        attn_impl=attn_impl,
     )
     model = GPT(cfg).cuda()
     assert model.transformer.h[0].mlp.use_cublaslt == (mlp_impl == "cublaslt")
+    assert model.transformer.h[0].attn.use_fast == (attn_impl == "fast")
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     idx = torch.randint(0, cfg.vocab_size, (4, 64), device="cuda")

@@ -30,6 +30,39 @@ def test_matmul_refuses_strided_outputs():
         cublaslt.matmul(a, b, torch.empty(4, 16), aux=torch.empty(16, 4).t())
 
 
+def test_matmul_refuses_a_bad_c_or_bias(monkeypatch):
+    """c is read as out's layout (cuBLASLt's C shares D's): another shape, dtype or stride is
+    refused before any library call, as is a bias epilogue without its bias (n,) in out's dtype
+    (the cached descriptor would keep the previous call's pointer). Well-formed ones get past."""
+
+    class Reached(Exception):
+        pass
+
+    def plan(key):
+        raise Reached
+
+    monkeypatch.setattr(cublaslt, "_plan", plan)
+    a, b, out = torch.empty(4, 8), torch.empty(8, 16), torch.empty(4, 16)
+    bias = torch.empty(16)
+    for c in (
+        torch.empty(4, 8),
+        torch.empty(4, 16, dtype=torch.bfloat16),
+        torch.empty(16, 4).t(),
+        torch.empty(4, 32)[:, :16],
+    ):
+        with pytest.raises(ValueError, match="c must be contiguous"):
+            cublaslt.matmul(a, b, out, c=c, beta=1.0, bias=bias, epilogue=cublaslt.EPI_BIAS)
+    for bad in (None, torch.empty(8), torch.empty(16, dtype=torch.bfloat16), torch.empty(32)[::2]):
+        with pytest.raises(ValueError, match="bias epilogue needs bias"):
+            cublaslt.matmul(
+                a, b, out, c=torch.empty(4, 16), beta=1.0, bias=bad, epilogue=cublaslt.EPI_BIAS
+            )
+    with pytest.raises(Reached):
+        cublaslt.matmul(
+            a, b, out, c=torch.empty(4, 16), beta=1.0, bias=bias, epilogue=cublaslt.EPI_BIAS
+        )
+
+
 def test_available_is_false_without_the_library(monkeypatch):
     """No libcublasLt to load: available() says so with one warning (the MLP and the fused loss
     then use torch's GEMMs) instead of raising; the loader's own error names the problem."""
@@ -79,6 +112,9 @@ def test_timing_an_accumulating_call_leaves_out_unchanged(m, transposed):
     # an overwriting call (beta = 0) times on its own operands: its own launch rewrites out
     ops = cublaslt._timing_operands(a, b, beta=0.0)
     assert ops["a"] is a and ops["b"] is b
+    # so does one that adds a separate c (out = a @ b + c): out is only written
+    ops = cublaslt._timing_operands(a, b, beta=1.0, c=torch.randn(m, 5))
+    assert ops["a"] is a and ops["b"] is b
 
 
 def test_timing_without_a_dense_operand_is_skipped():
@@ -117,3 +153,38 @@ def test_gpu_first_call_accumulates_once(pick, monkeypatch):
     torch.testing.assert_close(out, expect + a.float() @ b.float(), rtol=1e-5, atol=1e-4)
     real_calls = [u for u in used if u[1]]  # timing ran it on a zero stand-in for b
     assert real_calls == ([(1.0, True)] * 2 if pick == "reference" else [])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_bias_epilogue_adds_a_separate_c(dtype, offset):
+    """out = a @ b + c + bias in one call (C = c, D = out, out's old values never read), on a
+    key's first (timed) call and a cached one: within a rounding in out's dtype of torch's
+    result, c left as it was. offset 1: c starts one element into its buffer, 2-byte aligned,
+    which matmul refuses (on the H200 such a call rounded a @ b before adding c: 2e-3 off where
+    the sum is near 0)."""
+    torch.manual_seed(0)
+    m, k, n = 300, 96, 136
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, k, device="cuda", dtype=dtype).t()  # a transposed view, as mlp's c_proj
+    c = torch.randn(m * n + offset, device="cuda", dtype=dtype)[offset:].view(m, n)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    if offset:
+        out = torch.empty((m, n), device="cuda", dtype=dtype)
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            cublaslt.matmul(a, b, out, bias=bias, c=c, beta=1.0, epilogue=cublaslt.EPI_BIAS)
+        return
+    before = c.clone()
+    expect = a.double() @ b.double() + c.double() + bias.double()
+    u = 2**-8 if dtype == torch.bfloat16 else 2**-11  # unit roundoff
+    cublaslt.ALGOS.clear()
+    for _ in range(2):
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        cublaslt.matmul(
+            a, b, out, bias=bias, c=c, beta=1.0, epilogue=cublaslt.EPI_BIAS, candidates=4
+        )
+        torch.testing.assert_close(out.double(), expect, rtol=2 * u, atol=1e-3)
+        assert torch.equal(c, before)
+    assert len(cublaslt.ALGOS) == 1  # the second call ran the first one's pick

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fused_loss import mlp
+from fused_loss import cublaslt, mlp
 from model import GPT, GPTConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -21,38 +21,59 @@ def test_mlp_impl_is_checked_and_falls_back_on_cpu():
     assert torch.equal(other(idx, idx), ref(idx, idx))  # CPU: the torch path, bit for bit
 
 
-def _grads(fn, x, params, dout, autocast, dtype=torch.bfloat16):
+def _grads(fn, x, params, dout, autocast, dtype=torch.bfloat16, residual=None):
+    """[out, dx, the parameters' gradients..., dresidual if given] of fn(x, *params, residual=)."""
     x = x.detach().requires_grad_()
     ps = [p.detach().requires_grad_() for p in params]
+    kw = {} if residual is None else dict(residual=residual.detach().requires_grad_())
     with torch.autocast("cuda", dtype, enabled=autocast):
-        out = fn(x, *ps)
-    out.backward(dout)
-    return [out.detach(), x.grad] + [p.grad for p in ps]
+        out = fn(x, *ps, **kw)
+    out.backward(dout.to(out.dtype))  # out is fp32 with an fp32 residual: dout's values exactly
+    return [out.detach(), x.grad] + [p.grad for p in ps] + [r.grad for r in kw.values()]
+
+
+def _reference(x, w_fc, b_fc, w_proj, b_proj, residual=None):
+    """mlp_reference, with the residual added after it by torch, as the model's torch path does."""
+    out = mlp.mlp_reference(x, w_fc, b_fc, w_proj, b_proj)
+    return out if residual is None else residual + out
 
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("residual", [None, "compute dtype", "fp32"])
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("M, D", [(256, 64), (1000, 96)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_mlp_matches_reference(M, D, compiled, dtype):
-    """Output and all five gradients against fp64, no worse than torch's own autocast path
-    (x @ W.T in bf16/fp16, GELU from the rounded pre-activation) on the same inputs, plus a
-    slack of a quarter of the unit roundoff (2^-8 for bf16, 2^-11 for fp16)."""
+def test_gpu_mlp_matches_reference(M, D, compiled, dtype, residual):
+    """Output and all five gradients (six with a residual r: dr too) against fp64, no worse than
+    torch's own autocast path (x @ W.T in bf16/fp16, GELU from the rounded pre-activation, then
+    r + out) on the same inputs, plus a slack of a quarter of the unit roundoff (2^-8 for bf16,
+    2^-11 for fp16). r in the compute dtype is added in c_proj's epilogue; an fp32 r outside."""
     g = torch.Generator("cuda").manual_seed(M + D)
     x = torch.randn(M, D, device="cuda", generator=g).to(dtype)
     params = [torch.randn(s, device="cuda", generator=g) * 0.05 for s in ((4 * D, D), (4 * D,))]
     params += [torch.randn(s, device="cuda", generator=g) * 0.05 for s in ((D, 4 * D), (D,))]
     dout = (torch.randn(M, D, device="cuda", generator=g) * 1e-2).to(dtype)
-    ref = _grads(mlp.mlp_reference, x.double(), [p.double() for p in params], dout.double(), False)
-    theirs = _grads(mlp.mlp_reference, x, params, dout, True, dtype)
+    res = None
+    if residual is not None:
+        res = torch.randn(M, D, device="cuda", generator=g)
+        res = res if residual == "fp32" else res.to(dtype)
+    res64 = None if res is None else res.double()
+    ref = _grads(
+        _reference, x.double(), [p.double() for p in params], dout.double(), False, residual=res64
+    )
+    theirs = _grads(_reference, x, params, dout, True, dtype, residual=res)
 
-    ours = torch.compile(mlp.mlp_cublaslt) if compiled else mlp.mlp_cublaslt
-    got = _grads(ours, x, params, dout, True, dtype)
+    if compiled:
+        torch._dynamo.reset()  # a fresh cache: the parametrisations would exceed its limit
+    ours = torch.compile(mlp.mlp_cublaslt, fullgraph=True) if compiled else mlp.mlp_cublaslt
+    cublaslt.ALGOS.clear()
+    got = _grads(ours, x, params, dout, True, dtype, residual=res)
+    in_epilogue = any(key[3] == cublaslt.EPI_BIAS for _, key, _, _ in cublaslt.ALGOS)
+    assert in_epilogue == (residual == "compute dtype")
     slack = 1e-3 if dtype == torch.bfloat16 else 1.2e-4
-    for name, o, t, r in zip(
-        ("out", "dx", "dWfc", "dbfc", "dWproj", "dbproj"), got, theirs, ref, strict=True
-    ):
+    names = ("out", "dx", "dWfc", "dbfc", "dWproj", "dbproj") + (("dr",) if res is not None else ())
+    for name, o, t, r in zip(names, got, theirs, ref, strict=True):
         assert o.dtype == t.dtype and o.shape == t.shape, name
         err = ((o.double() - r).norm() / r.norm()).item()
         torch_err = ((t.double() - r).norm() / r.norm()).item()
