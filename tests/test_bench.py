@@ -148,7 +148,10 @@ def test_throughput_summary_takes_medians_and_the_ratio_to_plain():
     assert rows["124M", "default"]["vs_plain"] == pytest.approx(600 / 490)
     assert rows["124M", "default"]["peak_vs_plain"] == pytest.approx(0.5)
     assert "vs_plain" not in rows["1558M", "default"]
-    assert throughput.train_args("124M", 32, "plain", 5, "d", "o")[-4:] == throughput.PLAIN
+    assert (
+        throughput.train_args("124M", 32, "plain", 5, "d", "o")[-len(throughput.PLAIN) :]
+        == throughput.PLAIN
+    )
 
 
 def test_throughput_time_budget_skips_a_run_that_would_end_past_it():

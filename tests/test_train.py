@@ -311,7 +311,7 @@ def test_resume_of_a_finished_run_says_so(tiny_args, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("key,first", [("mlp_impl", "cublaslt"), ("loss_impl", "fused"),
-                                       ("adamw_impl", "fast")])  # fmt: skip
+                                       ("adamw_impl", "fast"), ("attn_impl", "fast")])  # fmt: skip
 def test_resume_may_switch_a_fast_path(tiny_args, tmp_path, key, first):
     """The fast-path switches say how a layer or the update is computed, not what: a checkpoint
     resumes under either value (the first run uses the switch's old name, still accepted)."""
@@ -326,10 +326,14 @@ def test_fast_path_switches_one_vocabulary():
     old = ["--loss_impl=fused", "--mlp_impl=cublaslt", "--adamw_impl=triton"]
     cfg = config.load_config(old)
     assert (cfg.loss_impl, cfg.mlp_impl, cfg.adamw_impl) == ("fast", "fast", "fast")
-    plain = config.load_config(["--loss_impl=torch", "--mlp_impl=torch", "--adamw_impl=torch"])
-    assert (plain.loss_impl, plain.mlp_impl, plain.adamw_impl) == ("torch", "torch", "torch")
+    assert config.load_config([]).attn_impl == "fast"  # new: no old name
+    keys = ("loss_impl", "mlp_impl", "attn_impl", "adamw_impl")
+    plain = config.load_config([f"--{k}=torch" for k in keys])
+    assert [getattr(plain, k) for k in keys] == ["torch"] * 4
     with pytest.raises(config.ConfigError, match="adamw_impl"):
         config.load_config(["--adamw_impl=cublaslt"])
+    with pytest.raises(config.ConfigError, match="attn_impl"):
+        config.load_config(["--attn_impl=cudnn"])
 
 
 def test_non_finite_loss_stops_without_saving(tiny_args, tmp_path, monkeypatch):
