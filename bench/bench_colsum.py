@@ -2,7 +2,7 @@
 
     python bench/bench_colsum.py [--repeats 5]
 
-GPU ms (CUDA events around 20 calls, median of --repeats rounds) and TB/s of the bytes a pass
+GPU ms (CUDA events around 10 calls, median of --repeats rounds) and TB/s of the bytes a pass
 must move, for qkv_grad (three (M, C) parts read, their concatenation written) against the
 compiled cat + sum, and colsum of an (M, 4C) gradient against the compiled sum, each
 colsum.LAUNCH variant in turn; M = B T of 124M:32 and 1558M:16. Prints a table last (§2i).
@@ -11,12 +11,14 @@ colsum.LAUNCH variant in turn; M = B T of 124M:32 and 1558M:16. Prints a table l
 import argparse
 import itertools
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import time_ms  # noqa: E402
+
 from fused_loss import colsum  # noqa: E402
 
 SHAPES = {"124M:32": (32768, 768), "1558M:16": (16384, 1600)}
@@ -24,20 +26,6 @@ VARIANTS = [
     dict(tile=t, num_warps=w, per_sm=s, prefetch=p)
     for t, w, s, p in itertools.product((8192, 16384), (4, 8), (4, 8), (False, True))
 ]
-
-
-def ms(fn, repeats):
-    fn()
-    rounds = []
-    for _ in range(repeats):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(20):
-            fn()
-        e.record()
-        e.synchronize()
-        rounds.append(s.elapsed_time(e) / 20)
-    return statistics.median(rounds)
 
 
 def main():
@@ -65,7 +53,7 @@ def main():
         saved = dict(colsum.LAUNCH["cuda"])
         for name, fn, nbytes, v in cases:
             colsum.LAUNCH["cuda"].update(v or {})
-            t = ms(fn, args.repeats)
+            t = time_ms(fn, args.repeats)
             colsum.LAUNCH["cuda"].update(saved)
             rows.append((shape, name, t, nbytes / t / 1e9))
     print("| shape | case | ms | TB/s |\n|---|---|---|---|")
