@@ -23,8 +23,8 @@ from fused_loss import colsum  # noqa: E402
 
 SHAPES = {"124M:32": (32768, 768), "1558M:16": (16384, 1600)}
 VARIANTS = [
-    dict(tile=t, num_warps=w, per_sm=s, prefetch=p)
-    for t, w, s, p in itertools.product((8192, 16384), (4, 8), (4, 8), (False, True))
+    dict(tile=t, num_warps=w, per_sm=s)
+    for t, w, s in itertools.product((8192, 16384), (4, 8), (4, 8))
 ]
 
 

@@ -24,21 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-# pass 1's launch: elements a program reads per step (BM rows x BN columns), its warps, about
-# how many programs per SM (the rows are split so), and whether it loads the next step's rows
-# before adding up these (the variants' timings: bench/bench_colsum.py, RESULTS §2i)
+# pass 1's launch: elements a program reads per step (BM rows x BN columns), its warps and about
+# how many programs per SM (the rows are split so); the variants' timings: bench/bench_colsum.py,
+# RESULTS §2i
 LAUNCH = {
-    "cuda": dict(tile=8192, num_warps=4, per_sm=8, prefetch=False),
-    "cpu": dict(tile=256, num_warps=1, per_sm=1, prefetch=False),
+    "cuda": dict(tile=8192, num_warps=4, per_sm=8),
+    "cpu": dict(tile=256, num_warps=1, per_sm=1),
 }
-
-
-@triton.jit
-def _tile(src, rows, M, stride_in, cols_in, col_ok):
-    """Rows `rows` of the block (0 outside), their int64 row indices and mask."""
-    mask = (rows < M)[:, None] & col_ok[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    return tl.load(src + r64 * stride_in + cols_in[None, :], mask=mask, other=0.0), r64, mask
 
 
 @triton.jit
@@ -55,7 +47,6 @@ def _partial_sums_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,  # divides C when THREE (a block lies in one part)
     THREE: tl.constexpr,
-    PREFETCH: tl.constexpr,  # load the next BM rows before adding up these
 ):
     j = tl.program_id(0)
     p = tl.program_id(1)
@@ -76,21 +67,14 @@ def _partial_sums_kernel(
     col_ok = cols < N
     # each thread adds up its own elements; one reduction across threads, at the end
     acc = tl.zeros((BM, BN), tl.float32)
-    rows = p * ROWS + tl.arange(0, BM)
-    t, r64, mask = _tile(src, rows, M, stride_in, cols_in, col_ok)
-    for r0 in range(BM, ROWS, BM):
-        if PREFETCH:
-            nxt, r64n, maskn = _tile(src, rows + r0, M, stride_in, cols_in, col_ok)
+    for r0 in range(0, ROWS, BM):
+        rows = p * ROWS + r0 + tl.arange(0, BM)
+        mask = (rows < M)[:, None] & col_ok[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        t = tl.load(src + r64 * stride_in + cols_in[None, :], mask=mask, other=0.0)
         if THREE:
             tl.store(cat_ptr + r64 * N + cols[None, :], t, mask=mask)
         acc += t.to(tl.float32)
-        if PREFETCH:
-            t, r64, mask = nxt, r64n, maskn
-        else:
-            t, r64, mask = _tile(src, rows + r0, M, stride_in, cols_in, col_ok)
-    if THREE:
-        tl.store(cat_ptr + r64 * N + cols[None, :], t, mask=mask)
-    acc += t.to(tl.float32)
     tl.store(part_ptr + p.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_ok)
 
 
@@ -135,7 +119,7 @@ def _launch(parts, M, C, three):
     b, c = (parts[1], parts[2]) if three else (a, a)
     _partial_sums_kernel[(blocks, P)](
         a, b, c, cat, partial, M, C, a.stride(0), ROWS=rows, BM=BM, BN=BN, THREE=three,
-        PREFETCH=cfg["prefetch"], num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
     sums = torch.empty(N, device=a.device, dtype=torch.float32)
     BN2 = min(256, triton.next_power_of_2(N))

@@ -12,14 +12,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("M, C", [(1000, 48), (77, 40), (3, 16)])
-def test_qkv_grad_lays_out_and_sums_the_three_parts(M, C, dtype, prefetch, monkeypatch):
+def test_qkv_grad_lays_out_and_sums_the_three_parts(M, C, dtype):
     """The concatenation bit for bit; the sums against fp64 within fp32 summation error (M
-    terms of size ~1: a few ulps of fp32 at these M), also for parts with a wider row stride;
-    with either loop of the kernel (colsum.LAUNCH prefetch)."""
-    monkeypatch.setitem(colsum.LAUNCH[DEV], "prefetch", prefetch)
+    terms of size ~1: a few ulps of fp32 at these M), also for parts with a wider row stride."""
     g = torch.Generator(DEV).manual_seed(M + C)
     wide = torch.randn(3, M, C + 8, device=DEV, generator=g).to(dtype)
     parts = [wide[i, :, :C] for i in range(3)]  # row stride C + 8
