@@ -125,13 +125,22 @@ class CausalSelfAttention(nn.Module):
         # decided once, here (as MLP.use_cublaslt): no device probing inside the forward
         self.use_fast = config.attn_impl == "fast" and config.dropout == 0 and attention.available()
 
-    def forward(self, x, cache=None, layer=0):
+    def forward(self, x, cache=None, layer=0, residual=None):
+        """The attention branch of x, plus residual when given (on the fast path, added in
+        c_proj's epilogue)."""
         y = None
         if self.use_fast and cache is None:  # attention_fast: None where it does not apply
             y = attention.attention_fast(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
+            if y is not None and residual is not None:
+                out = attention.proj_residual_fast(
+                    y, self.c_proj.weight, self.c_proj.bias, residual
+                )
+                if out is not None:
+                    return out
         if y is None:
             y = self.attend(self.c_attn(x), cache, layer)
-        return self.resid_dropout(self.c_proj(y))
+        out = self.resid_dropout(self.c_proj(y))
+        return out if residual is None else residual + out
 
     def attend(self, qkv, cache=None, layer=0, stored=False):
         """Attention from c_attn's output qkv (B, T, 3C) to its output (B, T, C), before c_proj.
@@ -197,7 +206,7 @@ class Block(nn.Module):
         step = isinstance(cache, generate.StaticKVCache)  # a decoding step, not a prefill
         if step and not self.training and gemv.applies(x, self.attn.c_attn.weight):
             return self._decode_row(x, cache, layer)
-        x = x + self.attn(self.ln_1(x), cache, layer)
+        x = self.attn(self.ln_1(x), cache, layer, residual=x)
         return self.mlp(self.ln_2(x), decode=cache is not None, residual=x)
 
     def _decode_row(self, x, cache, layer):

@@ -14,6 +14,9 @@ before the cast to the fp32 parameter's gradient. The math is the same: the same
 (torch's own pick on Hopper, §2e), the same GEMMs; db and dW are summed in fp32 from the same
 bf16 dqkv.
 
+proj_residual (proj_residual_fast) is the branch's c_proj with the residual add in its cuBLASLt
+epilogue, as the MLP's (mlp.py): out = r + y @ W_proj.T + b_proj, one GEMM with C = r; dr = dout.
+
 attention_fast is the entry point: None where it does not apply (no CUDA, no bf16/fp16 compute
 dtype, no bias, head sizes cuDNN does not take), and the caller runs the torch path. Whether
 cuDNN's attention is there at all (available()) is the caller's to decide once, at
@@ -23,6 +26,7 @@ construction, outside torch.compile's region (model.CausalSelfAttention).
 import torch
 
 from fused_loss.colsum import qkv_grad
+from fused_loss.cublaslt import EPI_BIAS, matmul
 from fused_loss.mlp import _mm
 
 
@@ -110,3 +114,52 @@ def attention_fast(x, w, b, n_head):
         return None
     y, *_ = attention(x.to(dt), w, w.to(dt), b, n_head)
     return y
+
+
+@torch.library.custom_op("fused_loss::proj_residual", mutates_args=())
+def proj_residual(
+    y: torch.Tensor, w: torch.Tensor, w_c: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
+) -> torch.Tensor:
+    """residual + y @ w_c.T + b in one cuBLASLt GEMM (C = residual, BIAS epilogue): y (M, C) and
+    residual (M, C) contiguous in the compute dtype, w_c (C, C) the cast of the parameter w."""
+    if residual.data_ptr() % 16:  # cublaslt.matmul takes a 16-byte aligned C only
+        return torch.addmm(b.to(y.dtype), y, w_c.t()).add_(residual)
+    out = torch.empty_like(residual)
+    return matmul(y, w_c.t(), out, bias=b.to(y.dtype), c=residual, beta=1.0, epilogue=EPI_BIAS)
+
+
+@proj_residual.register_fake
+def _(y, w, w_c, b, residual):
+    return torch.empty_like(residual)
+
+
+def _proj_setup(ctx, inputs, output):
+    y, w, w_c, b, residual = inputs
+    ctx.dtypes = w.dtype, b.dtype
+    ctx.save_for_backward(y, w_c)
+
+
+def _proj_backward(ctx, dout):
+    y, w_c = ctx.saved_tensors
+    dw_dtype, db_dtype = ctx.dtypes
+    db = dout.sum(0, dtype=torch.float32).to(db_dtype)
+    return dout @ w_c, _mm(dout.t(), y, dw_dtype), None, db, dout
+
+
+proj_residual.register_autograd(_proj_backward, setup_context=_proj_setup)
+
+
+def proj_residual_fast(y, w, b, residual):
+    """residual + c_proj(y) for y, residual (B, T, C) on CUDA in bf16/fp16 (or under such
+    autocast), residual in the compute dtype; None where the op does not apply (the caller adds
+    residual + F.linear(y, w, b)). Only tensor metadata is read here (Dynamo traces it)."""
+    if not y.is_cuda or b is None:
+        return None
+    dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else y.dtype
+    if dt not in (torch.bfloat16, torch.float16) or residual.dtype != dt or y.shape[-1] % 8:
+        return None
+    if residual.shape != y.shape or not residual.is_contiguous():
+        return None
+    C = y.shape[-1]
+    out = proj_residual(y.to(dt).reshape(-1, C), w, w.to(dt), b, residual.view(-1, C))
+    return out.view(residual.shape)

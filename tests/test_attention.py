@@ -122,3 +122,44 @@ def test_gpu_qkv_grad_at_gpt2_shapes(M, C):
     torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-3)
     t = torch.randn(M, 4 * C, device="cuda", generator=g).bfloat16()
     torch.testing.assert_close(colsum.colsum(t), t.float().sum(0), rtol=1e-5, atol=1e-3)
+
+
+def _proj_grads(fn, y, w, b, r, dout):
+    y, w, b, r = (t.detach().requires_grad_() for t in (y, w, b, r))
+    with torch.autocast("cuda", torch.bfloat16):
+        out = fn(y, w, b, r)
+    out.backward(dout)
+    return [out.detach(), y.grad, w.grad, b.grad, r.grad]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_proj_residual_matches_torch(compiled):
+    """residual + c_proj(y) in one GEMM, and its gradients (the residual's is dout), against
+    fp64 on the same inputs: no worse than torch's bf16 path + 2^-10."""
+    g = torch.Generator("cuda").manual_seed(0)
+    B, T, C = 2, 300, 256
+    y = torch.randn(B, T, C, device="cuda", generator=g).bfloat16()
+    w = torch.randn(C, C, device="cuda", generator=g) * C**-0.5
+    b = torch.randn(C, device="cuda", generator=g) * 0.1
+    r = torch.randn(B, T, C, device="cuda", generator=g).bfloat16()
+    dout = (torch.randn(B, T, C, device="cuda", generator=g) * 1e-2).bfloat16()
+
+    def plain(y, w, b, r):
+        return r + F.linear(y, w, b)
+
+    ref = [t.double() for t in (y, w, b, r, dout)]
+    ref_y, ref_w, ref_b, ref_r, ref_d = (t.detach().requires_grad_() for t in ref)
+    out = plain(ref_y, ref_w, ref_b, ref_r)
+    out.backward(ref_d)
+    ref = [out.detach(), ref_y.grad, ref_w.grad, ref_b.grad, ref_r.grad]
+    theirs = _proj_grads(plain, y, w, b, r, dout)
+    fast = attention.proj_residual_fast
+    got = _proj_grads(torch.compile(fast, fullgraph=True) if compiled else fast, y, w, b, r, dout)
+    for name, o, t, rf in zip(("out", "dy", "dW", "db", "dr"), got, theirs, ref, strict=True):
+        assert o.dtype == t.dtype and o.shape == t.shape, name
+        err = ((o.double() - rf).norm() / rf.norm()).item()
+        torch_err = ((t.double() - rf).norm() / rf.norm()).item()
+        assert err <= 1.2 * torch_err + 1e-3, (name, err, torch_err)
+    assert fast(y.float(), w, b, r.float()) is None  # fp32, no autocast: the caller's add
