@@ -5,13 +5,14 @@ read it once; optionally laid out as the concatenation of three (M, C) parts as 
     qkv_grad(dq, dk, dv)  each (M, C) -> ([dq | dk | dv] (M, 3C), its column sums (3C,) fp32)
 
 Why: the bias gradients of GPT-2's c_fc (M, 4C) and c_attn (M, 3C) are column sums over M = B T
-rows (32K at 124M:32). Inductor's reduction for them reads the (M, N) input at well below the
-HBM's rate at these shapes, and for c_attn it cannot fuse the sum into the copy that lays out the
-three attention gradients as [dq | dk | dv] for the weight-gradient GEMMs (the copy walks rows,
-the sum columns), so the three are read twice (bench/RESULTS.md §2i).
+rows (32K at 124M:32). Inductor's reduction for them reads the (M, N) input at ~1.8 TB/s at
+1558M's width, and for c_attn it cannot fuse the sum into the copy that lays out the three
+attention gradients as [dq | dk | dv] for the weight-gradient GEMMs (the copy walks rows, the sum
+columns), so the three are read twice; these two passes run at ~3.4-3.8 TB/s at both widths
+(bench/RESULTS.md §2i, run 123).
 
 Pass 1 (_partial_sums_kernel): program (j, p) reads rows [p R, (p + 1) R) of the BN columns of
-block j, BM rows at a time, stores them to the concatenation when it is asked for, and writes
+block j, 2 BM rows at a time, stores them to the concatenation when it is asked for, and writes
 their fp32 sums to partial row p. Pass 2 (_finish_kernel) adds the P partial rows up. The order
 of the additions is fixed, so the result is the same from run to run (no atomics). Under the CPU
 interpreter the same kernels run (16-bit values are only loaded, stored and widened to fp32).
@@ -24,11 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-# pass 1's launch: elements a program reads per step (BM rows x BN columns), its warps and about
-# how many programs per SM (the rows are split so); the variants' timings: bench/bench_colsum.py,
-# RESULTS §2i
+# pass 1's launch: elements of one of the two tiles a program reads per step (BM rows x BN
+# columns), its warps and how many programs per SM (the rows are split so): 3 is what stays
+# resident at this tile (~160 registers a thread, tests/test_kernels_compile.py), one wave; the
+# variants' timings: bench/bench_colsum.py, RESULTS §2i (run 123)
 LAUNCH = {
-    "cuda": dict(tile=8192, num_warps=4, per_sm=8),
+    "cuda": dict(tile=8192, num_warps=4, per_sm=3),
     "cpu": dict(tile=256, num_warps=1, per_sm=1),
 }
 
@@ -43,7 +45,7 @@ def _partial_sums_kernel(
     M,
     C,
     stride_in,  # the parts' row stride (elements)
-    ROWS: tl.constexpr,  # R rows a program
+    ROWS: tl.constexpr,  # R rows a program, a multiple of 2 BM
     BM: tl.constexpr,
     BN: tl.constexpr,  # divides C when THREE (a block lies in one part)
     THREE: tl.constexpr,
@@ -66,15 +68,19 @@ def _partial_sums_kernel(
     cols = col0 + lanes
     col_ok = cols < N
     # each thread adds up its own elements; one reduction across threads, at the end
+    # two tiles a step, both loaded before either is used (two reads in flight per program)
     acc = tl.zeros((BM, BN), tl.float32)
-    for r0 in range(0, ROWS, BM):
+    for r0 in range(0, ROWS, 2 * BM):
         rows = p * ROWS + r0 + tl.arange(0, BM)
         mask = (rows < M)[:, None] & col_ok[None, :]
+        mask2 = (rows + BM < M)[:, None] & col_ok[None, :]
         r64 = rows.to(tl.int64)[:, None]
         t = tl.load(src + r64 * stride_in + cols_in[None, :], mask=mask, other=0.0)
+        t2 = tl.load(src + (r64 + BM) * stride_in + cols_in[None, :], mask=mask2, other=0.0)
         if THREE:
             tl.store(cat_ptr + r64 * N + cols[None, :], t, mask=mask)
-        acc += t.to(tl.float32)
+            tl.store(cat_ptr + (r64 + BM) * N + cols[None, :], t2, mask=mask2)
+        acc += t.to(tl.float32) + t2.to(tl.float32)
     tl.store(part_ptr + p.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_ok)
 
 
@@ -112,7 +118,7 @@ def _launch(parts, M, C, three):
     blocks = triton.cdiv(N, BN)
     want = _sms(a.device.index) * cfg["per_sm"] if cuda else 4
     splits = max(1, min(triton.cdiv(M, BM), triton.cdiv(want, blocks)))
-    rows = BM * triton.cdiv(triton.cdiv(M, splits), BM)
+    rows = 2 * BM * triton.cdiv(triton.cdiv(M, splits), 2 * BM)
     P = triton.cdiv(M, rows)
     partial = torch.empty((P, N), device=a.device, dtype=torch.float32)
     cat = torch.empty((M, N), device=a.device, dtype=a.dtype) if three else partial
@@ -122,7 +128,7 @@ def _launch(parts, M, C, three):
         num_warps=cfg["num_warps"],
     )  # fmt: skip
     sums = torch.empty(N, device=a.device, dtype=torch.float32)
-    BN2 = min(256, triton.next_power_of_2(N))
+    BN2 = min(64, triton.next_power_of_2(N))  # 36 programs for c_attn's 2304 columns
     _finish_kernel[(triton.cdiv(N, BN2),)](
         partial, sums, P, N, BP=min(32, triton.next_power_of_2(P)), BN=BN2
     )

@@ -307,3 +307,49 @@ def test_exp_gemm_compiles_to_wgmma_and_tma_within_shared_memory():
         # the default epilogue spills no register; with a softcap it spills ~100 bytes (tanh
         # and its derivative next to the accumulators), once per tile, outside the K loop
         assert name != "default" or res["spills"] == 0, (name, res)
+
+
+# colsum's pass 1 at its CUDA launch (the qkv layout at 124M's C = 768, and the plain column sum):
+# LAUNCH's per_sm programs of num_warps warps must fit one SM's registers, so the grid the launch
+# sizes runs as one wave; its 16-bit loads and stores must be 16 bytes wide.
+COLSUM = r"""
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fused_loss import colsum
+
+cfg = colsum.LAUNCH["cuda"]
+sig = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", cat_ptr="*bf16", part_ptr="*fp32",
+           M="i32", C="i32", stride_in="i32")
+attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
+out = {}
+for three in (True, False):
+    BN = 256  # what _launch picks for C = 768 (three) and N = 3072
+    BM = cfg["tile"] // BN
+    consts = dict(ROWS=8 * BM, BM=BM, BN=BN, THREE=three)
+    src = ASTSource(fn=colsum._partial_sums_kernel,
+                    signature=dict(sig, **{k: "constexpr" for k in consts}),
+                    constexprs=consts, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=cfg["num_warps"])).asm["ptx"]
+    info = ptxas_v(ptx)
+    regs = re.search(r"Used (\d+) registers", info)
+    out[f"three={three}"] = dict(
+        regs=int(regs.group(1)) if regs else info[-500:],
+        v4=[len(re.findall(rf"{op}\.global(?:\.\w+)*\.v4\.b32", ptx)) for op in ("ld", "st")])
+limit = 65536 // (32 * cfg["num_warps"] * cfg["per_sm"])
+print(json.dumps(dict(kernels=out, limit=limit)))
+"""
+
+
+@pytest.mark.skipif(not _has_nvidia_backend(), reason="this Triton has no NVIDIA backend")
+def test_colsum_launch_keeps_its_programs_resident_with_16_byte_accesses():
+    """At 4 warps a program only 4 of the 8 programs a SM the earlier launch sized its grid for
+    fitted (~120 registers), so half of them waited for a second wave (bench/RESULTS.md §2i,
+    run 123, times the launches)."""
+    res = _compile_for_sm90(PTXAS_V + COLSUM)
+    for name, k in res["kernels"].items():
+        assert isinstance(k["regs"], int), (name, k)  # else ptxas's own words
+        assert k["regs"] <= res["limit"], (name, k, res["limit"])
+        loads, stores = k["v4"]
+        assert loads >= 2 and (stores >= 2 if name == "three=True" else stores == 0), (name, k)
