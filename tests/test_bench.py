@@ -155,15 +155,20 @@ def test_throughput_summary_takes_medians_and_the_ratio_to_plain():
 
 
 def test_throughput_time_budget_skips_a_run_that_would_end_past_it():
-    """--time-budget: a run is not started when the longest finished run of its model, started
-    now, would end past the budget; a model with no finished run yet only needs time left."""
+    """--time-budget: a run is not started when the last finished run of its model and impl
+    (else the longest of its model), started now, would end past the budget; a model with no
+    finished run yet only needs time left."""
     import time
 
-    runs = [dict(model="1558M", wall_s=150.0), dict(model="124M", wall_s=40.0)]
+    runs = [dict(model="1558M", impl="plain", wall_s=150.0), dict(model="124M", impl="plain",
+            wall_s=56.0), dict(model="124M", impl="plain", wall_s=29.0)]  # fmt: skip
     budget = 500.0  # seconds
     now = time.time()
-    assert not throughput.past_budget(runs, "124M", now - 400, budget)  # 400 + 40 <= 500
-    assert throughput.past_budget(runs, "1558M", now - 400, budget)  # 400 + 150 > 500
+    assert not throughput.past_budget(runs, "124M", now - 460, budget, "plain")  # 460 + 29
+    assert throughput.past_budget(runs, "124M", now - 460, budget, "default")  # 460 + 56 > 500
+    assert not throughput.past_budget(runs, "124M", now - 440, budget, "default")  # 440 + 56
+    assert throughput.past_budget(runs, "1558M", now - 400, budget, "plain")  # 400 + 150 > 500
+    assert throughput.past_budget(runs, "1558M", now - 400, budget, "default")  # the longest
     assert not throughput.past_budget(runs, "350M", now - 499, budget)  # none yet: 499 < 500
     assert throughput.past_budget(runs, "350M", now - 501, budget)
 
