@@ -13,11 +13,16 @@ results are checked against torch (the concatenation bit for bit). Prints a tabl
 
 import argparse
 import itertools
-import statistics
+import os
+import sys
 
 import torch
 
-from fused_loss import colsum
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gemv import graph_us  # noqa: E402
+
+from fused_loss import colsum  # noqa: E402
 
 SHAPES = {"124M:32": (32768, 768), "1558M:16": (16384, 1600)}
 VARIANTS = [
@@ -27,26 +32,9 @@ VARIANTS = [
 
 
 def graph_ms(fn, repeats, calls=20):
-    """Median over `repeats` replays of a CUDA graph of `calls` calls of fn: ms a call."""
-    side = torch.cuda.Stream()  # warm-up (compiles, allocates) off the capturing stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    rounds = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        rounds.append(start.elapsed_time(end) / calls)
-    return statistics.median(rounds)
+    """ms a call of fn, from a CUDA graph of `calls` calls (bench_gemv's timer; median of
+    `repeats` replays)."""
+    return graph_us(lambda i: fn(), range(calls), repeats) / 1e3
 
 
 def measure(shape, M, C, repeats, cat_sum, col):
