@@ -26,8 +26,7 @@ construction, outside torch.compile's region (model.CausalSelfAttention).
 import torch
 
 from fused_loss.colsum import qkv_grad
-from fused_loss.cublaslt import EPI_BIAS, matmul
-from fused_loss.mlp import _mm
+from fused_loss.mlp import _mm, linear_add
 
 
 def available():
@@ -120,12 +119,9 @@ def attention_fast(x, w, b, n_head):
 def proj_residual(
     y: torch.Tensor, w: torch.Tensor, w_c: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
 ) -> torch.Tensor:
-    """residual + y @ w_c.T + b in one cuBLASLt GEMM (C = residual, BIAS epilogue): y (M, C) and
-    residual (M, C) contiguous in the compute dtype, w_c (C, C) the cast of the parameter w."""
-    if residual.data_ptr() % 16:  # cublaslt.matmul takes a 16-byte aligned C only
-        return torch.addmm(b.to(y.dtype), y, w_c.t()).add_(residual)
-    out = torch.empty_like(residual)
-    return matmul(y, w_c.t(), out, bias=b.to(y.dtype), c=residual, beta=1.0, epilogue=EPI_BIAS)
+    """residual + y @ w_c.T + b (mlp.linear_add): y (M, C) and residual (M, C) contiguous in the
+    compute dtype, w_c (C, C) the cast of the parameter w (only w's dtype is read)."""
+    return linear_add(y, w_c, b, residual)
 
 
 @proj_residual.register_fake

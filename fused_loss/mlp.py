@@ -74,12 +74,9 @@ def mlp_gelu(
     h = x.new_empty((x.shape[0], w_fc_c.shape[0]))
     a = torch.empty_like(h)
     matmul(x, w_fc_c.t(), a, bias=b_fc.to(x.dtype), aux=h, epilogue=EPI_GELU_AUX_BIAS)
-    if residual is None or residual.data_ptr() % 16:  # cublaslt.matmul takes 16-byte aligned c
-        out = torch.addmm(b_proj.to(x.dtype), a, w_proj_c.t())
-        return out if residual is None else out.add_(residual), h, a
-    out = x.new_empty((x.shape[0], w_proj_c.shape[0]))
-    matmul(a, w_proj_c.t(), out, bias=b_proj.to(x.dtype), c=residual, beta=1.0, epilogue=EPI_BIAS)
-    return out, h, a
+    if residual is None:
+        return torch.addmm(b_proj.to(x.dtype), a, w_proj_c.t()), h, a
+    return linear_add(a, w_proj_c, b_proj, residual), h, a
 
 
 @mlp_gelu.register_fake
@@ -120,6 +117,17 @@ def _backward(ctx, dout, _dh, _da):
 
 
 mlp_gelu.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_add(a, w_c, b, residual):
+    """residual + a @ w_c.T + b as one cuBLASLt GEMM (C = residual, BIAS epilogue; out a new
+    buffer): a (M, K), w_c (N, K) and residual (M, N) contiguous, all in the compute dtype, b in
+    any. A residual that is not 16-byte aligned (which cublaslt.matmul refuses as C) gets addmm
+    + add. The c_proj of the MLP (above) and of attention (attention.proj_residual)."""
+    if residual.data_ptr() % 16:
+        return torch.addmm(b.to(a.dtype), a, w_c.t()).add_(residual)
+    out = torch.empty_like(residual)
+    return matmul(a, w_c.t(), out, bias=b.to(a.dtype), c=residual, beta=1.0, epilogue=EPI_BIAS)
 
 
 def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None):
