@@ -144,16 +144,25 @@ def _exp_logits_kernel(
             acc += tl.load(b_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
         if SOFTCAP:
             acc = softcap * _tanh(acc / softcap)
-        t = tl.where((cols < vocab_size)[None, :], acc - c[:, None], float("-inf"))
-        k = tl.ceil((tl.max(t, axis=1) - REBASE) / REBASE)
+        # Few instructions an element: the epilogue is not overlapped with the MMAs, so its issue
+        # slots and MUFU exps are what it costs. The padded columns are masked only in the tile
+        # that holds them, the row max is taken before c is subtracted, and E = exp2(u log2(e) -
+        # (c + k REBASE) log2(e)) is one FMA and one exp an element (the offset's rounding, ~2e-6
+        # in the exponent for |c| < 64, is far below E's bf16 one), a dead row's -inf offset
+        # giving its zeros.
+        u = acc
+        if (pid_n + 1) * BN > vocab_size:
+            u = tl.where((cols < vocab_size)[None, :], acc, float("-inf"))
+        k = tl.ceil((tl.max(u, axis=1) - c - REBASE) / REBASE)
         if ALL_ROWS:  # sums of dead rows too (their lse), whose base may go below c = 0
             k = tl.maximum(k, tl.where(live, 0.0, -1e6))
-            e = tl.exp2((t - (k * REBASE)[:, None]) * LOG2E)
+            e = tl.exp2(u * LOG2E - ((c + k * REBASE) * LOG2E)[:, None])
             tl.store(s_ptr + rows * T + pid_n, tl.sum(e, axis=1), mask=in_rows)
             e = tl.where(live[:, None], e, 0.0)
         else:  # a live row's base is >= c: its max is
             k = tl.maximum(k, 0.0)
-            e = tl.where(live[:, None], tl.exp2((t - (k * REBASE)[:, None]) * LOG2E), 0.0)
+            offset = tl.where(live, -(c + k * REBASE) * LOG2E, float("-inf"))
+            e = tl.exp2(u * LOG2E + offset[:, None])
             tl.store(s_ptr + rows * T + pid_n, tl.sum(e, axis=1), mask=in_rows)
         if SOFTCAP:  # G carries du/dz = 1 - (u / softcap)^2
             a = acc / softcap
