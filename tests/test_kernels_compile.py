@@ -274,7 +274,8 @@ for options in (False, True):  # the default, and a bias and softcap in the epil
                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     ptx = k.asm["ptx"]
     count = lambda pattern: len(re.findall(pattern, ptx))
-    fp32_ops = sum(count(rf"\b{op}(\.\w+)*\.f32\b") for op in ("add", "sub", "mul", "fma", "selp", "max"))
+    ops = ("add", "sub", "mul", "fma", "selp", "max")
+    fp32_ops = sum(count(rf"\b{op}(\.\w+)*\.f32\b") for op in ops)
     out["options" if options else "default"] = dict(
         wgmma=count(r"wgmma\.mma_async"), mma_sync=count(r"mma\.sync"),
         tma=count(r"cp\.async\.bulk\.tensor"), shared=k.metadata.shared, spills=spills(ptx),
