@@ -12,9 +12,8 @@ Prints a table last. On an H200 with torch 2.11, torch's pick is cuDNN's kernel 
 (bench/RESULTS.md §2e).
 --branch times the training branch instead: c_attn + attention forward + backward under bf16
 autocast with an fp32 weight (GPU ms, median of rounds), torch's path (nn.Linear + SDPA) compiled
-against fused_loss/attention.py's op (model attn_impl="fast") compiled; and its two passes alone:
-the qkv gradient's layout + bias sum (colsum.qkv_grad) against the compiled cat + sum, and
-colsum against the compiled sum of an (M, 4C) gradient (the MLP's c_fc bias) (§2i).
+against fused_loss/attention.py's op (model attn_impl="fast") compiled (§2i). Its passes alone
+(colsum.qkv_grad, colsum) are bench/bench_colsum.py's, timed as CUDA graphs (§2j).
 """
 
 import argparse
@@ -110,7 +109,7 @@ def measure(name, batch, repeats):
 def branch(name, batch, repeats):
     """Rows (shape, case, ms) of the --branch timings."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from fused_loss import attention, colsum
+    from fused_loss import attention
 
     n_head, C = SHAPES[name]
     B, T = batch, 1024
@@ -138,20 +137,6 @@ def branch(name, batch, repeats):
             y.backward(dy.view(y.shape))
 
         rows.append((f"{name}:{batch}", case, time_ms(step, repeats)))
-    M = B * T
-    parts = [torch.randn(M, C, device="cuda", generator=g).bfloat16() for _ in range(3)]
-    cat_sum = torch.compile(lambda a, b, c: (lambda t: (t, t.sum(0, dtype=torch.float32)))(
-        torch.cat([a, b, c], 1)))  # fmt: skip
-    rows.append(
-        (f"{name}:{batch}", "cat + sum, compiled", time_ms(lambda: cat_sum(*parts), repeats))
-    )
-    rows.append(
-        (f"{name}:{batch}", "colsum.qkv_grad", time_ms(lambda: colsum.qkv_grad(*parts), repeats))
-    )
-    dh = torch.randn(M, 4 * C, device="cuda", generator=g).bfloat16()
-    col = torch.compile(lambda t: t.sum(0, dtype=torch.float32))
-    rows.append((f"{name}:{batch}", "(M, 4C) sum, compiled", time_ms(lambda: col(dh), repeats)))
-    rows.append((f"{name}:{batch}", "colsum.colsum", time_ms(lambda: colsum.colsum(dh), repeats)))
     return rows
 
 
@@ -176,7 +161,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", default="124M:32,1558M:16", help="model:batch list")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--branch", action="store_true", help="the training branch and its passes")
+    p.add_argument("--branch", action="store_true", help="the training branch, fwd + bwd")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py times CUDA kernels: no GPU here")

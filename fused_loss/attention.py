@@ -26,7 +26,7 @@ construction, outside torch.compile's region (model.CausalSelfAttention).
 import torch
 
 from fused_loss.colsum import qkv_grad
-from fused_loss.mlp import _mm, linear_add
+from fused_loss.mlp import _mm, half_compute_dtype, linear_add
 
 
 def available():
@@ -106,10 +106,10 @@ def attention_fast(x, w, b, n_head):
     that Dynamo traces it into the graph."""
     if not x.is_cuda or b is None or x.dim() != 3:
         return None
-    dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    dt = half_compute_dtype(x)
     C = x.shape[-1]
     hs = C // n_head
-    if dt not in (torch.bfloat16, torch.float16) or C % n_head or hs % 8 or hs > 128:
+    if dt is None or C % n_head or hs % 8 or hs > 128:
         return None
     y, *_ = attention(x.to(dt), w, w.to(dt), b, n_head)
     return y
@@ -151,8 +151,8 @@ def proj_residual_fast(y, w, b, residual):
     residual + F.linear(y, w, b)). Only tensor metadata is read here (Dynamo traces it)."""
     if not y.is_cuda or b is None:
         return None
-    dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else y.dtype
-    if dt not in (torch.bfloat16, torch.float16) or residual.dtype != dt or y.shape[-1] % 8:
+    dt = half_compute_dtype(y)
+    if dt is None or residual.dtype != dt or y.shape[-1] % 8:
         return None
     if residual.shape != y.shape or not residual.is_contiguous():
         return None

@@ -130,6 +130,13 @@ def linear_add(a, w_c, b, residual):
     return matmul(a, w_c.t(), out, bias=b.to(a.dtype), c=residual, beta=1.0, epilogue=EPI_BIAS)
 
 
+def half_compute_dtype(x):
+    """The dtype x's matmuls run in on CUDA (autocast's, else x's own) when it is bf16 or fp16,
+    else None: where the cuBLASLt and cuDNN paths of this package apply (model.py's fast paths)."""
+    dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    return dt if dt in (torch.bfloat16, torch.float16) else None
+
+
 def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None):
     """c_proj(gelu_tanh(c_fc(x))), plus residual if given (out's shape), for x (..., D) on CUDA,
     in bf16/fp16 or under such autocast; None where the epilogues do not apply (the caller then
@@ -137,8 +144,8 @@ def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None):
     into the graph."""
     if not x.is_cuda or b_fc is None or b_proj is None:
         return None
-    dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
-    if dt not in (torch.bfloat16, torch.float16) or x.shape[-1] % 8 or w_fc.shape[0] % 8:
+    dt = half_compute_dtype(x)
+    if dt is None or x.shape[-1] % 8 or w_fc.shape[0] % 8:
         return None
     shape = (*x.shape[:-1], w_proj.shape[0])  # out's
     x = x.to(dt).reshape(-1, x.shape[-1])
