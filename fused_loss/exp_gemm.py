@@ -145,22 +145,22 @@ def _exp_logits_kernel(
         if SOFTCAP:
             acc = softcap * _tanh(acc / softcap)
         # Few instructions an element: the epilogue is not overlapped with the MMAs, so its issue
-        # slots and MUFU exps are what it costs. The padded columns are masked only in the tile
-        # that holds them, the row max is taken before c is subtracted, and E = exp2(u log2(e) -
-        # (c + k REBASE) log2(e)) is one FMA and one exp an element (the offset's rounding, ~2e-6
-        # in the exponent for |c| < 64, is far below E's bf16 one), a dead row's -inf offset
-        # giving its zeros.
-        u = acc
-        if (pid_n + 1) * BN > vocab_size:
-            u = tl.where((cols < vocab_size)[None, :], acc, float("-inf"))
-        k = tl.ceil((tl.max(u, axis=1) - c - REBASE) / REBASE)
+        # slots and MUFU exps are what it costs. The padded columns' select runs on every tile:
+        # reading the accumulators in a branch of their own (the padded tile only) makes ptxas
+        # wait for each wgmma before the next (bench/RESULTS.md §1, run 129).
         if ALL_ROWS:  # sums of dead rows too (their lse), whose base may go below c = 0
+            t = tl.where((cols < vocab_size)[None, :], acc - c[:, None], float("-inf"))
+            k = tl.ceil((tl.max(t, axis=1) - REBASE) / REBASE)
             k = tl.maximum(k, tl.where(live, 0.0, -1e6))
-            e = tl.exp2(u * LOG2E - ((c + k * REBASE) * LOG2E)[:, None])
+            e = tl.exp2((t - (k * REBASE)[:, None]) * LOG2E)
             tl.store(s_ptr + rows * T + pid_n, tl.sum(e, axis=1), mask=in_rows)
             e = tl.where(live[:, None], e, 0.0)
         else:  # a live row's base is >= c: its max is
-            k = tl.maximum(k, 0.0)
+            # the row max before c is subtracted, and E = exp2(u log2(e) - (c + k REBASE) log2(e)):
+            # one FMA and one exp an element (the offset's rounding, ~2e-6 in the exponent for
+            # |c| < 64, is far below E's bf16 one), a dead row's -inf offset giving its zeros
+            u = tl.where((cols < vocab_size)[None, :], acc, float("-inf"))
+            k = tl.maximum(tl.ceil((tl.max(u, axis=1) - c - REBASE) / REBASE), 0.0)
             offset = tl.where(live, -(c + k * REBASE) * LOG2E, float("-inf"))
             e = tl.exp2(u * LOG2E + offset[:, None])
             tl.store(s_ptr + rows * T + pid_n, tl.sum(e, axis=1), mask=in_rows)
