@@ -155,10 +155,11 @@ def _exp_logits_kernel(
             e = tl.exp2((t - (k * REBASE)[:, None]) * LOG2E)
             tl.store(s_ptr + rows * T + pid_n, tl.sum(e, axis=1), mask=in_rows)
             e = tl.where(live[:, None], e, 0.0)
-        else:  # a live row's base is >= c: its max is
-            # the row max before c is subtracted, and E = exp2(u log2(e) - (c + k REBASE) log2(e)):
-            # one FMA and one exp an element (the offset's rounding, ~2e-6 in the exponent for
-            # |c| < 64, is far below E's bf16 one), a dead row's -inf offset giving its zeros
+        else:
+            # a live row's max is at least c, so its base k >= 0. The row max is taken before c is
+            # subtracted, and E = exp2(u log2(e) - (c + k REBASE) log2(e)) is one FMA and one exp
+            # an element (the offset's rounding, ~2e-6 in the exponent for |c| < 64, is far below
+            # E's bf16 one); a dead row's -inf offset gives its zeros
             u = tl.where((cols < vocab_size)[None, :], acc, float("-inf"))
             k = tl.maximum(tl.ceil((tl.max(u, axis=1) - c - REBASE) / REBASE), 0.0)
             offset = tl.where(live, -(c + k * REBASE) * LOG2E, float("-inf"))
