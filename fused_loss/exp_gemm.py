@@ -148,8 +148,9 @@ def _exp_logits_kernel(
         # slots and MUFU exps are what it costs. The padded columns' select runs on every tile:
         # reading the accumulators in a branch of their own (the padded tile only) makes ptxas
         # wait for each wgmma before the next (bench/RESULTS.md §1, run 129).
+        real = (cols < vocab_size)[None, :]  # the padded columns' mask
         if ALL_ROWS:  # sums of dead rows too (their lse), whose base may go below c = 0
-            t = tl.where((cols < vocab_size)[None, :], acc - c[:, None], float("-inf"))
+            t = tl.where(real, acc - c[:, None], float("-inf"))
             k = tl.ceil((tl.max(t, axis=1) - REBASE) / REBASE)
             k = tl.maximum(k, tl.where(live, 0.0, -1e6))
             e = tl.exp2((t - (k * REBASE)[:, None]) * LOG2E)
@@ -160,7 +161,7 @@ def _exp_logits_kernel(
             # subtracted, and E = exp2(u log2(e) - (c + k REBASE) log2(e)) is one FMA and one exp
             # an element (the offset's rounding, ~2e-6 in the exponent for |c| < 64, is far below
             # E's bf16 one); a dead row's -inf offset gives its zeros
-            u = tl.where((cols < vocab_size)[None, :], acc, float("-inf"))
+            u = tl.where(real, acc, float("-inf"))
             k = tl.maximum(tl.ceil((tl.max(u, axis=1) - c - REBASE) / REBASE), 0.0)
             offset = tl.where(live, -(c + k * REBASE) * LOG2E, float("-inf"))
             e = tl.exp2(u * LOG2E + offset[:, None])
