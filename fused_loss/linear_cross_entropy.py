@@ -66,11 +66,16 @@ REGS_PER_SM = 65536  # 32-bit registers per SM on sm_70 .. sm_90
 REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kernel rebases a row
 # Extra memory a call may hold: the (n, V) buffer plus, when the weight is not fp32, the fp32 dw
 # accumulator (V, D). 320 MiB at the 124M shape: 147 MiB accumulator + 19 chunks of 1725 rows
-# with bf16 weights; 10 chunks of 3277 rows with fp32 master weights. Fewer chunks mean fewer
-# read-modify-writes of the fp32 dw (8 bytes per weight per chunk); below MIN_ROWS those dominate,
-# so a huge vocabulary gets a bigger buffer instead.
+# with bf16 weights. Fewer chunks mean fewer read-modify-writes of the fp32 dw (8 bytes per
+# weight per chunk); below MIN_ROWS those dominate, so a huge vocabulary gets a bigger buffer
+# instead. Where dw needs no accumulator (an fp32 weight, e.g. the trainer's master weight under
+# autocast, or no gradient) a chunk on the GPU has at least MIN_CHUNK_ELEMENTS // D rows, more than
+# the allowance at D < 1600: each chunk has fixed costs (seven launches, one dw read-modify-write)
+# that 10 chunks of 3277 rows at the 124M shape pay in 2 % of the call, 5 of 6554 rows in half of
+# that (+310 MiB; bench/RESULTS.md §1, run 133). At 1600 wide 3277 rows was the fastest.
 EXTRA_BYTES = 320 * 2**20
 MIN_ROWS = 1024
+MIN_CHUNK_ELEMENTS = 5 * 2**20
 CHUNK_MULTIPLE = 128
 
 
@@ -88,6 +93,20 @@ def chunk_rows(N, V, elt_size, acc_bytes=0, multiple=CHUNK_MULTIPLE, min_rows=No
     min_rows = MIN_ROWS if min_rows is None else min_rows
     n = max((EXTRA_BYTES - acc_bytes) // (V * elt_size), min_rows) // multiple * multiple
     return max(multiple, min(n, triton.cdiv(N, multiple) * multiple))
+
+
+def rows_per_chunk(N, V, D, elt_size, acc_bytes, cuda):
+    """The rows of each of a call's equal chunks (no short, inefficient last one): chunk_rows's,
+    on the GPU at least MIN_CHUNK_ELEMENTS // D when there is no accumulator (acc_bytes 0); on
+    the CPU (the interpreter in tests) small chunks, so that small shapes span several."""
+    if not cuda:
+        small = dict(multiple=16, min_rows=16)
+    elif acc_bytes:
+        small = {}
+    else:
+        small = dict(min_rows=max(MIN_ROWS, MIN_CHUNK_ELEMENTS // D))
+    n = min(chunk_rows(N, V, elt_size, acc_bytes, **small), N)
+    return triton.cdiv(N, triton.cdiv(N, n))
 
 
 def accumulator_parts(V, cast_bytes, buffer_bytes, max_parts=8, align=1):
@@ -219,9 +238,7 @@ def lce_pass(
             return loss, lse, x.new_zeros((0, D)), w.new_zeros((V, D), dtype=dw_dtype), db
         return loss, lse, x.new_empty(0), x.new_empty(0), no_db  # distinct: outputs never alias
     acc_bytes = V * D * 4 if want_grad and dw_dtype != torch.float32 else 0
-    small = {} if cuda else dict(multiple=16, min_rows=16)
-    n = min(chunk_rows(N, V, x.element_size(), acc_bytes, **small), N)
-    n = triton.cdiv(N, triton.cdiv(N, n))  # equal chunks: no short, inefficient last one
+    n = rows_per_chunk(N, V, D, x.element_size(), acc_bytes, cuda)
     programs = _num_sms(dev.index) * cfg["per_sm"] if cuda and cfg["per_sm"] else n
     single = use_single_read(cfg["single_read"], x.dtype, dw_dtype)
     # the options live in _softmax_grad_kernel and in exp_gemm's kernels (label smoothing only

@@ -164,6 +164,25 @@ def test_confident_correct_predictions(dtype):
     _check(x, w, t, 80, "none", torch.rand(48))
 
 
+def test_chunks_on_the_gpu_stay_in_the_memory_allowance():
+    # A bf16 weight's buffer and fp32 dw accumulator share EXTRA_BYTES (the lean allowance of
+    # issue 28); without an accumulator (the fp32 master weight) a chunk has at least
+    # MIN_CHUNK_ELEMENTS // D rows, the chunking measured fastest at the 124M and 1558M shapes.
+    V = 50304
+    for N, D in ((32768, 768), (65536, 768), (16384, 1600), (8192, 1024)):
+        acc = V * D * 4
+        n = fl.rows_per_chunk(N, V, D, 2, acc, cuda=True)
+        assert n * V * 2 + acc <= fl.EXTRA_BYTES or n == fl.MIN_ROWS
+        m = fl.rows_per_chunk(N, V, D, 2, 0, cuda=True)
+        k, least = -(-N // m), fl.MIN_CHUNK_ELEMENTS // D // fl.CHUNK_MULTIPLE * fl.CHUNK_MULTIPLE
+        assert m >= n and k <= -(-N // least)  # no more chunks than least rows make
+        assert m * k - N < k  # equal chunks
+    assert fl.rows_per_chunk(32768, V, 768, 2, V * 768 * 4, cuda=True) == 1725  # 19 chunks
+    assert fl.rows_per_chunk(32768, V, 768, 2, 0, cuda=True) == 6554  # 5
+    assert fl.rows_per_chunk(16384, V, 1600, 2, 0, cuda=True) == 3277  # 5, as 320 MiB gives
+    assert fl.rows_per_chunk(16384, V, 1600, 2, V * 1600 * 4, cuda=True) == 1024  # MIN_ROWS
+
+
 @needs_kernels
 def test_many_chunks(monkeypatch):
     # A tiny memory budget forces several row chunks: dw accumulates across them in fp32 (a
