@@ -70,9 +70,9 @@ REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kerne
 # weight per chunk); below MIN_ROWS those dominate, so a huge vocabulary gets a bigger buffer
 # instead. Where dw needs no accumulator (an fp32 weight, e.g. the trainer's master weight under
 # autocast, or no gradient) a chunk on the GPU has at least MIN_CHUNK_ELEMENTS // D rows, more than
-# the allowance at D < 1600: each chunk has fixed costs (seven launches, one dw read-modify-write)
-# that 10 chunks of 3277 rows at the 124M shape pay in 2 % of the call, 5 of 6554 rows in half of
-# that (+310 MiB; bench/RESULTS.md §1, run 133). At 1600 wide 3277 rows was the fastest.
+# the allowance gives below 1600 wide: a chunk has fixed costs (seven launches, a read-modify-write
+# of the fp32 dw) that fewer, larger chunks pay less often. The size was chosen by timing at 768 to
+# 1600 wide (bench/RESULTS.md §1, runs 133-134); the trainer has the memory to spare.
 EXTRA_BYTES = 320 * 2**20
 MIN_ROWS = 1024
 MIN_CHUNK_ELEMENTS = 5 * 2**20
