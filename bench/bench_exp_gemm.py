@@ -6,8 +6,8 @@ Part 1, one chunk (GPU ms, CUDA events around 20 launches, medians over --repeat
 rounds): the cuBLAS logits GEMM alone (LAUNCH gemm, algorithm chosen by timing), that GEMM +
 _exp_rows_kernel (today's single-read chunk, what the epilogue replaces), and exp_gemm's
 start + finish for each tile configuration, at the chunk shapes of the 124M and 1558M classifiers
-with fp32 master weights (3277 rows) and of the 124M one with bf16 weights (1725 rows). Also the
-error of each configuration's G = f E against the fp32 math of exp_gemm.exp_logits_reference.
+with fp32 master weights (6554 and 3277 rows) and of the 124M one with bf16 weights (1725 rows).
+Also each configuration's error of G = f E against exp_gemm.exp_logits_reference's fp32 math.
 Part 2 (--e2e): fwd+bwd of fused_linear_cross_entropy with LAUNCH logits "cublas" and "triton"
 (and torch.compile of the reference) at the 124M and 1558M shapes, fp32 master weight under
 autocast, interleaved --repeats times; GPU ms with the host's latency hidden.
@@ -42,7 +42,7 @@ CONFIGS = {
     "256x128x64 w8 s3": (256, 128, 64, 8, 3, 1, True),
     "256x128x64 w8 s4 ptr": (256, 128, 64, 8, 4, 1, False),
 }
-CHUNKS = {"124M master (3277 rows)": (3277, 768), "1558M master (3277 rows)": (3277, 1600),
+CHUNKS = {"124M master (6554 rows)": (6554, 768), "1558M master (3277 rows)": (3277, 1600),
           "124M bf16 w (1725 rows)": (1725, 768)}  # fmt: skip
 V, VOCAB = 50304, 50257
 

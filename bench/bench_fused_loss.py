@@ -276,7 +276,7 @@ VARIANTS = {
     "no_cap_regs": dict(row=dict(cap_regs=False)),  # the launch measured in runs 11-18
     "single_read": dict(row=dict(single_read=True)),
     "extra640": dict(extra=640 * MiB),
-    # the trainer's case: fp32 master weight under autocast (default 320 MiB: 10 chunks)
+    # the trainer's case: fp32 master weight under autocast (at 124M 5 chunks of 6554 rows)
     "master_two_reads": dict(row=dict(single_read=False), master=True),
     # the single read with cuBLAS's logits GEMM and _exp_rows_kernel: the default until run 96
     "master_cublas_logits": dict(row=dict(logits="cublas"), master=True),
