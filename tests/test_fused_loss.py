@@ -501,6 +501,8 @@ def test_gpu_confident_correct_predictions():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_many_chunks_fp32_master(monkeypatch):
     monkeypatch.setattr(fl, "EXTRA_BYTES", 8 * 2**20)  # MIN_ROWS-row chunks: 3 of them
+    monkeypatch.setattr(fl, "MIN_CHUNK_ELEMENTS", 0)  # (an fp32 dw's larger chunks: 1 of 3000)
+    assert fl.rows_per_chunk(3000, 50304, 768, 2, 0, cuda=True) == 1000
     x, w, t = _make(3000, 768, 50304, 50257, torch.float32, "cuda", ignore_frac=0.05, seed=8)
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
     with torch.autocast("cuda", dtype=torch.bfloat16):
