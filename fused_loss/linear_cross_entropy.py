@@ -100,12 +100,12 @@ def rows_per_chunk(N, V, D, elt_size, acc_bytes, cuda):
     on the GPU at least MIN_CHUNK_ELEMENTS // D when there is no accumulator (acc_bytes 0); on
     the CPU (the interpreter in tests) small chunks, so that small shapes span several."""
     if not cuda:
-        small = dict(multiple=16, min_rows=16)
+        least = dict(multiple=16, min_rows=16)
     elif acc_bytes:
-        small = {}
+        least = {}
     else:
-        small = dict(min_rows=max(MIN_ROWS, MIN_CHUNK_ELEMENTS // D))
-    n = min(chunk_rows(N, V, elt_size, acc_bytes, **small), N)
+        least = dict(min_rows=max(MIN_ROWS, MIN_CHUNK_ELEMENTS // D))
+    n = min(chunk_rows(N, V, elt_size, acc_bytes, **least), N)
     return triton.cdiv(N, triton.cdiv(N, n))
 
 
