@@ -67,6 +67,14 @@ def set_config(name):
     )
 
 
+def one_hot_out(e, f, h, y):
+    """G = diag(f) e - diag(h) onehot(y), fp32 (the single read's G, triton_kernels.py)."""
+    G = e * f[:, None]
+    rows = torch.nonzero(h != 0)[:, 0]
+    G[rows, y[rows]] -= h[rows]
+    return G
+
+
 def chunk_cases(n, D, configs):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, D, device="cuda", generator=g).bfloat16()
@@ -76,7 +84,7 @@ def chunk_cases(n, D, configs):
     gw = torch.full((1,), 1.0 / n, device="cuda")
     buf = torch.empty((n, V), device="cuda", dtype=torch.bfloat16)
     losses = torch.empty(n, device="cuda")
-    f = torch.empty(n, device="cuda")
+    f, h = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
     cfg = fl.LAUNCH["cuda"]
     options, _, _, mask_cols = fl.row_kernel_setup(cfg, True, VOCAB, V)
     programs = fl._num_sms(0) * cfg["per_sm"]
@@ -88,7 +96,7 @@ def chunk_cases(n, D, configs):
         fl._gemm(buf, x, w.t(), cfg)
         buf[:, VOCAB:].fill_(float("-inf"))
         triton_kernels._exp_rows_kernel[(min(n, programs),)](
-            buf, y, gw, losses, f, n, V, VOCAB, V, buf.stride(0), -100,
+            buf, y, gw, losses, f, h, n, V, VOCAB, V, buf.stride(0), -100,
             G_PER_ROW=False, WRITE_G=True, REBASE=fl.REBASE, BV=cfg["BV"], INTERPRETED=False,
             **options,
         )  # fmt: skip
@@ -99,22 +107,22 @@ def chunk_cases(n, D, configs):
             state = exp_gemm.scratch(n, V, x.device)
             exp_gemm.start(x, w, y, buf, state, vocab_size=VOCAB, ignore_index=-100)
             exp_gemm.finish(
-                buf, y, gw, state, losses, f, vocab_size=VOCAB, ignore_index=-100,
+                buf, y, gw, state, losses, f, h, vocab_size=VOCAB, ignore_index=-100,
                 g_per_row=False, want_grad=True,
             )  # fmt: skip
 
         return run
 
-    e_ref, f_ref, loss_ref = exp_gemm.exp_logits_reference(
+    e_ref, f_ref, h_ref, loss_ref = exp_gemm.exp_logits_reference(
         x, w, y, gw, vocab_size=VOCAB, ignore_index=-100
     )
-    g_ref = e_ref * f_ref[:, None]
+    g_ref = one_hot_out(e_ref, f_ref, h_ref, y)
     errors = {}
     for name in configs:
         try:
             epilogue(name)()
             torch.cuda.synchronize()
-            G = buf.float() * f[:, None]
+            G = one_hot_out(buf.float(), f, h, y)
             errors[name] = (
                 ((G - g_ref).norm() / g_ref.norm()).item(),
                 (losses - loss_ref).abs().max().item(),

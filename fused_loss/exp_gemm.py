@@ -18,11 +18,13 @@ keep the tile's largest exponent <= REBASE, and stores k with the tile's partial
                            s_t = sum_v E                (fp32, before E is rounded to bf16)
     finish, per row:       K = max_t k_t,  S = sum_t s_t exp((k_t - K) REBASE)
                            loss = K REBASE + log S     (= lse - c, and c is the target logit)
-                           f = g / S;  E_y = exp(-K REBASE) - S   (the one-hot, in fp32)
+                           f = g / S, and the one-hot: h = g, or where p_y >= 1/2
+                           h = 0 and E_y = exp(-K REBASE) - S  (folded in, in fp32)
                            tiles with k_t < K: E *= exp((k_t - K) REBASE)   (rare)
 
-after which the buffer and f are what _exp_rows_kernel leaves: G = diag(f) E. Dead rows (ignored
-targets, and out-of-range ones, whose loss is NaN) get E = 0 and f = 0: no gradient.
+after which the buffer, f and h are what _exp_rows_kernel leaves: G = diag(f) E - diag(h)
+onehot(y) (triton_kernels.py says why the one-hot stays out of E). Dead rows (ignored targets,
+and out-of-range ones, whose loss is NaN) get E = 0 and f = h = 0: no gradient.
 
 Unlike _exp_rows_kernel, E and S come from the unrounded fp32 logits, so the loss does not carry
 the bf16 rounding of z (torch's bf16 path does; the error against an fp32 reference is smaller).
@@ -180,13 +182,14 @@ def _exp_logits_kernel(
 
 @triton.jit
 def _exp_finish_kernel(
-    e_ptr,  # (n, V) E of the chunk; the one-hot folded in, rare tiles rebased
+    e_ptr,  # (n, V) E of the chunk; rare tiles rebased, the one-hot folded in where p_y >= 1/2
     y_ptr,  # (n,) int64
     g_ptr,  # (1,) or (n,) fp32
     s_ptr,  # (n, T) fp32
     k_ptr,  # (n, T) int32
     loss_ptr,  # (n,) fp32 out
     f_ptr,  # (n,) fp32 out: g / S (0 for dead rows)
+    h_ptr,  # (n,) fp32 out: the one-hot's weight when not folded in (else 0)
     c_ptr,  # (n,) fp32: the target logits of start()
     lse_ptr,  # (n,) fp32 out, when WRITE_LSE
     softcap,
@@ -223,8 +226,15 @@ def _exp_finish_kernel(
     if WRITE_G:
         live = valid & ok
         coef = 1.0 + 2.0 * z_loss * lse if Z_LOSS else 1.0  # d(z-loss)/du = 2 z_loss lse p
-        f = tl.where(live, _row_weight(g_ptr, r, valid, G_PER_ROW) * coef / S, 0.0)
-        tl.store(f_ptr + r, f)
+        g = tl.where(live, _row_weight(g_ptr, r, valid, G_PER_ROW), 0.0)
+        tl.store(f_ptr + r, tl.where(live, g * coef / S, 0.0))  # a dead row's S may be 0
+        e_y = tl.exp2(-K.to(tl.float32) * (REBASE * LOG2E))  # E_y = exp(c - base) in fp32,
+        fold = live & (2.0 * e_y >= S)  # not the rounded one; p_y >= 1/2
+        h = g
+        if SOFTCAP:  # G_y = f E_y - g (1 - (c / softcap)^2): E carries the cap's derivative
+            a = tl.load(c_ptr + r) / softcap
+            h = g * (1.0 - a * a)
+        tl.store(h_ptr + r, tl.where(fold, 0.0, h))
         e_row = e_ptr + r64 * stride_e
         out_ty = e_ptr.dtype.element_ty
         lanes = tl.arange(0, BN)
@@ -239,8 +249,7 @@ def _exp_finish_kernel(
             # the one-hot below goes to an element another thread may have just stored: without
             # the barrier the two stores land in either order (seen on the H200: RESULTS §1)
             tl.debug_barrier()
-        if live:  # G_y = f (E_y - S / coef) = g (coef p_y - 1), E_y = exp(c - base) in fp32,
-            e_y = tl.exp2(-K.to(tl.float32) * (REBASE * LOG2E))  # not the rounded one
+        if fold:  # G_y = f (E_y - S / coef) = g (coef p_y - 1)
             hot = e_y - S / coef if Z_LOSS else e_y - S
             if SOFTCAP:
                 a = tl.load(c_ptr + r) / softcap
@@ -270,7 +279,7 @@ def start(
 
     x (n, D), w (V, D) in one 16-bit dtype (applies()), y (n,) int64, e (n, V) with rows of
     stride V (a view of the launcher's buffer); bias (V,) contiguous or None; softcap a float or
-    None (then E carries the tanh's derivative: G = diag(f) E still); all_rows: the sums of
+    None (then E carries the tanh's derivative, G as finish() says still); all_rows: the sums of
     dead rows too, so that finish() can give every row's lse.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor  # triton >= 3.3
@@ -304,17 +313,17 @@ def start(
 
 
 def finish(
-    e, y, g, state, losses, f, *, vocab_size, ignore_index, g_per_row, want_grad,
+    e, y, g, state, losses, f, h, *, vocab_size, ignore_index, g_per_row, want_grad,
     softcap=None, z_loss=0.0, lse=None,
 ):  # fmt: skip
-    """After start(): losses (n,) (with z_loss * lse^2) and, when want_grad, f (n,) and
-    e = G / f (the one-hot in); lse (n,) fp32 out unless None."""
+    """After start(): losses (n,) (with z_loss * lse^2) and, when want_grad, f (n,), h (n,)
+    and e such that G = diag(f) e - diag(h) onehot(y); lse (n,) fp32 out unless None."""
     n, V = e.shape
     c, s, k = state
     T = s.shape[1]
     cuda = e.device.type == "cuda"
     _exp_finish_kernel[(n,)](
-        e, y, g, s, k, losses, f, c, losses if lse is None else lse, softcap or 0.0, z_loss,
+        e, y, g, s, k, losses, f, h, c, losses if lse is None else lse, softcap or 0.0, z_loss,
         V, T, e.stride(0), vocab_size, ignore_index,
         REBASE=REBASE, BN=LAUNCH["cuda" if cuda else "cpu"]["BN"], BT=triton.next_power_of_2(T),
         G_PER_ROW=g_per_row, WRITE_G=want_grad, SOFTCAP=softcap is not None, Z_LOSS=z_loss != 0,
@@ -323,7 +332,8 @@ def finish(
 
 
 def exp_logits_reference(x, w, y, g, *, vocab_size, ignore_index):
-    """The same in torch (fp32): (E with the one-hot folded in, f, losses), REBASE never taken.
+    """The same in torch (fp32): (E, f, h, losses), G = diag(f) E - diag(h) onehot(y), the
+    one-hot folded into E where p_y >= 1/2; REBASE never taken.
 
     Valid only where no row's max logit passes its target's by REBASE nats."""
     z = x.float() @ w.float().T
@@ -338,6 +348,8 @@ def exp_logits_reference(x, w, y, g, *, vocab_size, ignore_index):
     loss = torch.where(valid, torch.where(live, S.log(), float("nan")), 0.0)
     gw = g if g.numel() > 1 else g.expand(len(y))
     f = torch.where(live, gw / S, 0.0)
-    rows = torch.nonzero(live)[:, 0]
+    fold = live & (2.0 >= S)  # E_y = exp(c - c) = 1: p_y = 1 / S
+    rows = torch.nonzero(fold)[:, 0]
     e[rows, y[rows]] = 1.0 - S[rows]
-    return e, f, loss
+    h = torch.where(live & ~fold, gw, 0.0)
+    return e, f, h, loss

@@ -30,9 +30,9 @@ from fused_loss.reference import linear_cross_entropy_reference
 #   per_sm        programs per SM (persistent over rows; 0: one program per row)
 #   single_read   _exp_rows_kernel (one read of the buffer, the row scales applied around the
 #                 GEMMs) instead of _softmax_grad_kernel (two reads). It rounds f * x for the dw
-#                 GEMM, one rounding more than torch's path, which shows only when dw is rounded
-#                 again at the end: "auto" takes it when dw is fp32 (the fp32 master weight under
-#                 autocast), not for bf16 weights
+#                 GEMM, one rounding more than torch's path on the softmax part of G (the one-hot
+#                 part is added in fp32): "auto" takes it when dw is fp32 (the fp32 master weight
+#                 under autocast), not for bf16 weights
 #   order         directions of _softmax_grad_kernel's two passes over a row: "forward",
 #                 "pass1_back" or "pass2_back"; the backward orders start pass 2 on the blocks
 #                 pass 1 read last, likelier still in L2
@@ -176,6 +176,24 @@ def _accumulate_dw(accs, parts, g_t, xs, first, cfg):
         _gemm(acc, g_t[a:b], xs, cfg, accumulate=not first, tune_accumulate=first)
 
 
+def _subtract_one_hot(accs, parts, db, y, h, x):
+    """dw[y_n] -= h_n x_n (and db[y_n] -= h_n when db is not None) for a chunk's rows, in fp32:
+    the one-hot term of G = diag(f) E - diag(h) onehot(y), outside the dw GEMM so that it is not
+    rounded (triton_kernels.py). Rows with h_n = 0 (one-hot folded into E, ignored, dead) add 0 at
+    row 0. index_put_ with accumulate=True sums repeated targets in a fixed order on CUDA (it
+    sorts them), so a call repeats bit for bit."""
+    y = torch.where(h != 0, y, 0)
+    hx = h[:, None] * x.float()  # (n, D)
+    for (a, b), acc in zip(parts, accs, strict=True):
+        if len(parts) == 1:
+            acc.index_put_((y,), -hx, accumulate=True)
+            continue
+        inside = (y >= a) & (y < b)
+        acc.index_put_(((y - a).clamp(0, b - a - 1),), -(hx * inside[:, None]), accumulate=True)
+    if db is not None:
+        db.index_put_((y,), -h, accumulate=True)
+
+
 def row_kernel_maxnreg(num_warps, per_sm):
     """Registers per thread that let per_sm programs of num_warps warps share one SM."""
     return min(255, REGS_PER_SM // (32 * num_warps * per_sm)) // 8 * 8
@@ -271,8 +289,9 @@ def lce_pass(
         dx = torch.empty_like(x)
         accs = [torch.empty((b - a, D), device=dev, dtype=torch.float32) for a, b in parts]
         db_acc = torch.empty(V, device=dev, dtype=torch.float32) if has_bias else None
-    if single:
-        f = torch.empty(n, device=dev, dtype=torch.float32)  # row scales of a chunk
+    if single:  # a chunk's G = diag(f) E - diag(h) onehot(y) (triton_kernels.py)
+        f = torch.empty(n, device=dev, dtype=torch.float32)  # row scales
+        h = torch.empty(n, device=dev, dtype=torch.float32)  # one-hot weights
         if want_grad:
             p = torch.empty((n, D), device=dev, dtype=torch.float32)  # E @ w of a chunk
             xs_scaled = torch.empty((n, D), device=dev, dtype=x.dtype)  # f * x of a chunk
@@ -293,11 +312,11 @@ def lce_pass(
         xs, z, dxs = x[c0 : c0 + rows], buf[:rows], dx[c0 : c0 + rows]
         ys, gs = y[c0 : c0 + rows], g[c0 : c0 + rows] if g_per_row else g
         lses = lse[c0 : c0 + rows] if want_lse else None
-        if exp_epilogue:  # E from the GEMM's epilogue; f = g / S, the one-hot folded in
+        if exp_epilogue:  # E from the GEMM's epilogue; f = g / S, h
             if i:
                 exp_gemm.start(xs, w, ys, z, state, **gemm_kw)
             exp_gemm.finish(
-                z, ys, gs, state, losses[c0 : c0 + rows], f, g_per_row=g_per_row,
+                z, ys, gs, state, losses[c0 : c0 + rows], f, h, g_per_row=g_per_row,
                 want_grad=want_grad, softcap=softcap, z_loss=z_loss, lse=lses, **logits_kw,
             )  # fmt: skip
         else:
@@ -305,10 +324,10 @@ def lce_pass(
                 _gemm(z, xs, w.t(), cfg)
             if fill:
                 z[:, vocab_size:].fill_(float("-inf"))
-            args = (z, ys, gs, losses[c0 : c0 + rows]) + ((f,) if single else ())
+            args = (z, ys, gs, losses[c0 : c0 + rows]) + ((f, h) if single else ())
             args += (rows, V, vocab_size, mask_cols, z.stride(0), ignore_index)
             grid = (min(rows, programs),)
-            if single:  # z -> E in place, f = g / S
+            if single:  # z -> E in place, f = g / S, h
                 triton_kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, **launch)
             else:  # z -> G in place
                 lse_out = losses if lses is None else lses
@@ -317,19 +336,22 @@ def lce_pass(
                 )
         if not want_grad:
             continue
-        if has_bias:  # db (+)= G.T @ 1, G = diag(f) E on the single-read path
+        if has_bias:  # db (+)= G.T @ 1
             triton_kernels._column_sums_kernel[(triton.cdiv(V, sums["BC"]),)](
                 z, f if single else z, db_acc, rows, V, z.stride(0),
                 HAS_F=single, ACCUMULATE=i > 0, **sums,
             )  # fmt: skip
-        if single:  # dx = f * (E @ w), dw += E.T @ (f * x)
+        if single:  # dx = f * (E @ w) - h * w[y], dw += E.T @ (f * x) - onehot(y).T @ (h * x)
             _gemm(p[:rows], z, w, cfg)
-            triton_kernels._row_scale_kernel[(rows,)](p, f, dxs, D, **scale)
-            triton_kernels._row_scale_kernel[(rows,)](xs, f, xs_scaled, D, **scale)
-            xs = xs_scaled[:rows]
+            triton_kernels._row_scale_kernel[(rows,)](p, f, dxs, w, ys, h, D, HOT=True, **scale)
+            triton_kernels._row_scale_kernel[(rows,)](
+                xs, f, xs_scaled, xs, ys, h, D, HOT=False, **scale
+            )  # fmt: skip
+            _accumulate_dw(accs, parts, z.t(), xs_scaled[:rows], first=i == 0, cfg=cfg)
+            _subtract_one_hot(accs, parts, db_acc, ys, h[:rows], xs)
         else:  # dx = G @ w, dw += G.T @ x
             _gemm(dxs, z, w, cfg)
-        _accumulate_dw(accs, parts, z.t(), xs, first=i == 0, cfg=cfg)
+            _accumulate_dw(accs, parts, z.t(), xs, first=i == 0, cfg=cfg)
     del buf, z, args, state  # free the buffer before the cast allocates dw in its dtype
     db = no_db
     if want_grad:

@@ -47,15 +47,17 @@ used as an index.
 
 Single-read variant (LAUNCH "single_read"; by default for fp32 weights only, see the launcher). The
 second read above is there because exp() needs the row's lse before G can be written. Writing
-instead
-  E_nv = exp(z_nv - c_n),  c_n = max of the row's first block (<= the row max), and
-  E_{n,y_n} -= S_n = sum_v E_nv       (the one-hot, folded in at the end: one element, from
-                                        the fp32 exp of z_y, so that p_y ~ 1 does not cancel)
-gives G = diag(f) E with ONE scale per row, f_n = g_n / S_n, so the row is read and written once
-(_exp_rows_kernel), and the scale moves outside the GEMMs: dx = diag(f) (E @ w) from an fp32 GEMM
-output, dw += E.T @ (f * x) with f * x rounded once to the compute dtype (_row_scale_kernel, once
-for each). That last rounding is one more than torch's path has; it shows in dw only when dw is
-rounded again at the end (a bf16 dw), hence the variant is the default for an fp32 dw only.
+instead E_nv = exp(z_nv - c_n), c_n = max of the row's first block (<= the row max), gives
+    G = diag(f) E - diag(h) onehot(y),   f_n = g_n / S_n,  S_n = sum_v E_nv,  h_n = g_n
+with ONE scale per row, so the row is read and written once (_exp_rows_kernel), and the scales
+move outside the GEMMs: dx = diag(f) (E @ w) - diag(h) w[y] (_row_scale_kernel, from an fp32 GEMM
+output), dw += E.T @ (f * x) with f * x rounded once to the compute dtype, and dw[y_n] -= h_n x_n
+in fp32 (the launcher). The one-hot term is what dominates G's norm unless p_y is large (1 against
+|p| ~ V^-1/2 for a flat softmax); out of the GEMMs it carries no rounding, where folded into E it
+would carry two (E_y - S and f * x). When p_y >= 1/2 the one-hot is folded in instead, h_n = 0:
+    E_{n,y_n} = E_y - S_n             (from the fp32 exp of z_y, so that p_y ~ 1 does not cancel)
+since there G_y = g (p_y - 1) is small and f E_y ~ g would lose it. The rounding of f * x stays
+one more than torch's path has, on the softmax part of G only.
 A block whose max passes c + REBASE (60 nats; e^60 * V still fits fp32) raises c to that max and
 rescales the row's already written E (rare: only rows whose first block is far below their max).
 
@@ -246,11 +248,12 @@ def _softmax_grad_kernel(
 
 @triton.jit
 def _exp_rows_kernel(
-    z_ptr,  # (n, V) logits of the chunk; overwritten by E (one-hot folded in) when WRITE_G
+    z_ptr,  # (n, V) logits of the chunk; overwritten by E (one-hot folded in where p_y >= 1/2)
     y_ptr,  # (n,) int64
     g_ptr,  # (1,) or (n,) fp32
     loss_ptr,  # (n,) fp32 out
     f_ptr,  # (n,) fp32 out: the row scale g / S (0 for ignored rows)
+    h_ptr,  # (n,) fp32 out: the one-hot's weight when not folded in (else 0)
     n_rows,
     V,
     vocab_size,
@@ -293,30 +296,40 @@ def _exp_rows_kernel(
         lse = c + tl.log(S)
         tl.store(loss_ptr + r, _row_loss(valid, ok, lse, z_y))
         if WRITE_G:
-            tl.store(f_ptr + r, _row_weight(g_ptr, r, valid, G_PER_ROW) / S)
-            if ok:  # the one-hot: G_y = f (E_y - S) = g (p_y - 1), E_y from z_y in fp32
-                e_y = tl.exp2((z_y - c) * LOG2E)  # not the stored, rounded E_y: when p_y ~ 1,
-                tl.store(z_row + y, _cast(e_y - S, out_ty, INTERPRETED))  # E_y - S cancels
+            g = _row_weight(g_ptr, r, valid, G_PER_ROW)
+            tl.store(f_ptr + r, g / S)
+            e_y = tl.exp2((z_y - c) * LOG2E)  # not the stored, rounded E_y: when p_y ~ 1,
+            fold = ok & (2.0 * e_y >= S)  # E_y - S cancels; G_y = f (E_y - S) = g (p_y - 1)
+            tl.store(h_ptr + r, tl.where(fold | ~ok, 0.0, g))
+            if fold:
+                tl.store(z_row + y, _cast(e_y - S, out_ty, INTERPRETED))
 
 
 @triton.jit
 def _row_scale_kernel(
     src_ptr,  # (n, D) fp32 or compute dtype: E @ w (fp32) or x of the chunk
     f_ptr,  # (n,) fp32 row scales
-    out_ptr,  # (n, D) out: f * src formed in fp32, rounded once to out's dtype
+    out_ptr,  # (n, D) out: f * src (- h * w[y] when HOT) in fp32, rounded once to out's dtype
+    w_ptr,  # (V, D) contiguous, when HOT
+    y_ptr,  # (n,) int64 targets, when HOT (row 0 of w is read where h = 0)
+    h_ptr,  # (n,) fp32 one-hot weights, when HOT
     D,
+    HOT: tl.constexpr,
     BD: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     r = tl.cast(tl.program_id(0), tl.int64)
     ks = tl.arange(0, BD)
     f = tl.load(f_ptr + r)
+    if HOT:
+        h = tl.load(h_ptr + r)
+        w_row = w_ptr + tl.where(h != 0.0, tl.load(y_ptr + r), 0) * D
     for k in range(0, D, BD):
         ok = (k + ks) < D
-        v = tl.load(src_ptr + r * D + k + ks, mask=ok, other=0.0).to(tl.float32)
-        tl.store(
-            out_ptr + r * D + k + ks, _cast(f * v, out_ptr.dtype.element_ty, INTERPRETED), mask=ok
-        )
+        v = f * tl.load(src_ptr + r * D + k + ks, mask=ok, other=0.0).to(tl.float32)
+        if HOT:
+            v -= h * tl.load(w_row + k + ks, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * D + k + ks, _cast(v, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
 
 
 @triton.jit

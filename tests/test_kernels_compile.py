@@ -50,8 +50,8 @@ OPTIONS_OFF = dict(HAS_BIAS=False, SOFTCAP=False, Z_LOSS=False, SMOOTH=False, WR
 
 
 def row_sig(dt, single):
-    types = [f"*{dt}", "*i64", "*fp32", "*fp32"] + (["*fp32"] if single else [])
-    names = ROW_ARGS + (["f_ptr"] if single else [])
+    types = [f"*{dt}", "*i64", "*fp32", "*fp32"] + (["*fp32", "*fp32"] if single else [])
+    names = ROW_ARGS + (["f_ptr", "h_ptr"] if single else [])
     sig = dict(zip(names + ROW_INTS, types + ["i32"] * len(ROW_INTS)))
     return sig if single else sig | OPTION_ARGS
 
@@ -75,8 +75,9 @@ for write_g in (True, False):
         out[f"exp_rows {dt} write_g={write_g}"] = build(
             kernels._exp_rows_kernel, row_sig(dt, True), c, 8)
 for src in ("fp32", "bf16"):
-    sig = {"src_ptr": f"*{src}", "f_ptr": "*fp32", "out_ptr": "*bf16", "D": "i32"}
-    consts = dict(BD=256, INTERPRETED=False)
+    sig = {"src_ptr": f"*{src}", "f_ptr": "*fp32", "out_ptr": "*bf16", "w_ptr": "*bf16",
+           "y_ptr": "*i64", "h_ptr": "*fp32", "D": "i32"}
+    consts = dict(HOT=src == "fp32", BD=256, INTERPRETED=False)
     out[f"row_scale {src}"] = build(kernels._row_scale_kernel, sig, consts, 4)
 for dt in ("bf16", "fp32"):
     sig = {"src_ptr": f"*{dt}", "g_ptr": "*fp32", "dst_ptr": f"*{dt}", "numel": "i32"}
@@ -160,8 +161,9 @@ for vocab in (50304, 50257):
     options, order, fill, mask_cols = fl.row_kernel_setup(cfg, True, vocab, V)
     div16 = {"V": V, "stride_z": V, "vocab_size": vocab, "mask_cols": mask_cols}
     for single in (False, True):
-        ptrs = ["*bf16", "*i64", "*fp32", "*fp32"] + (["*fp32"] if single else [])
-        sig = dict(zip(["z_ptr", "y_ptr", "g_ptr", "loss_ptr", "f_ptr"][:len(ptrs)] + ints,
+        ptrs = ["*bf16", "*i64", "*fp32", "*fp32"] + (["*fp32", "*fp32"] if single else [])
+        names = ["z_ptr", "y_ptr", "g_ptr", "loss_ptr", "f_ptr", "h_ptr"][:len(ptrs)]
+        sig = dict(zip(names + ints,
                        ptrs + ["i32"] * len(ints)))
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                  if sig[n].startswith("*") or div16.get(n, 1) % 16 == 0}
@@ -283,8 +285,8 @@ for options in (False, True):  # the default, and a bias and softcap in the epil
         tma=count(r"cp\.async\.bulk\.tensor"), shared=k.metadata.shared, spills=spills,
         fp32_ops_per_exp=fp32_ops / max(count(r"\bex2\.approx"), 1))
 fin = dict(e_ptr="*bf16", y_ptr="*i64", g_ptr="*fp32", s_ptr="*fp32", k_ptr="*i32",
-           loss_ptr="*fp32", f_ptr="*fp32", c_ptr="*fp32", lse_ptr="*fp32", softcap="fp32",
-           z_loss="fp32")
+           loss_ptr="*fp32", f_ptr="*fp32", h_ptr="*fp32", c_ptr="*fp32", lse_ptr="*fp32",
+           softcap="fp32", z_loss="fp32")
 fin |= {n: "i32" for n in ("V", "T", "stride_e", "vocab_size", "ignore_index")}
 for options in (False, True):
     consts = dict(REBASE=exp_gemm.REBASE, BN=BN, BT=256, G_PER_ROW=False, WRITE_G=True,
