@@ -532,6 +532,26 @@ def test_gpu_many_chunks_fp32_master(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_fp32_master_dw_exact():
+    # test_single_read_keeps_an_fp32_dw_exact at the 124M width and the real vocabulary, fp32
+    # master weight under autocast (the trainer's call): with the one-hot term added in fp32, dw
+    # is within the softmax part's roundings of float64 (~1e-4 for a flat softmax), not bf16's
+    x, w, t = _make(4096, 768, 50304, 50257, torch.float32, "cuda", ignore_frac=0.05, seed=9)
+    x = x.bfloat16()
+    w = w.bfloat16().float()  # exact in bf16, so the reference sees what the GEMMs see
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fused_linear_cross_entropy(xs, ws, t, vocab_size=50257).backward()
+    one = torch.tensor(1.0, device="cuda")
+    _, dx64, dw64 = _run(
+        linear_cross_entropy_reference, x.double(), w.double(), t, one, vocab_size=50257
+    )
+    assert ws.grad.dtype == torch.float32 and _rel(ws.grad, dw64) < 3e-4
+    assert _rel(xs.grad, dx64) < 2e-3  # bf16 dx: its own rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_repeats_bit_for_bit_with_rebased_rows():
     # Peaky rows whose max passes their target's logit by > exp_gemm.REBASE: the finish kernel
     # rescales their tiles, then folds in the one-hot. Run after run the results must be the
