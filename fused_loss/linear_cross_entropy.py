@@ -26,7 +26,9 @@ from fused_loss.reference import linear_cross_entropy_reference
 # The launch of the row kernels (triton_kernels.py), by device ("cpu": the Triton interpreter in
 # tests, small blocks so that small ragged shapes span several). The choices' timings:
 # bench/RESULTS.md §1.
-#   BV, BD        columns per step of the row kernels; D-block of _row_scale_kernel
+#   BV, BD        columns per step of the row kernels; D-block of _row_scale_kernel (and of
+#                 the one-hot kernels)
+#   one_hot_rows  sorted rows a block of _one_hot_pieces_kernel sums
 #   per_sm        programs per SM (persistent over rows; 0: one program per row)
 #   single_read   _exp_rows_kernel (one read of the buffer, the row scales applied around the
 #                 GEMMs) instead of _softmax_grad_kernel (two reads). It rounds f * x for the dw
@@ -59,8 +61,8 @@ _CHOICES = dict(
 )
 ORDERS = ("forward", "pass1_back", "pass2_back")
 LAUNCH = {
-    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, **_CHOICES),
-    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, **_CHOICES),
+    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, one_hot_rows=64, **_CHOICES),
+    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, one_hot_rows=4, **_CHOICES),
 }
 REGS_PER_SM = 65536  # 32-bit registers per SM on sm_70 .. sm_90
 REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kernel rebases a row
@@ -176,22 +178,30 @@ def _accumulate_dw(accs, parts, g_t, xs, first, cfg):
         _gemm(acc, g_t[a:b], xs, cfg, accumulate=not first, tune_accumulate=first)
 
 
-def _subtract_one_hot(accs, parts, db, y, h, x):
-    """dw[y_n] -= h_n x_n (and db[y_n] -= h_n when db is not None) for a chunk's rows, in fp32:
-    the one-hot term of G = diag(f) E - diag(h) onehot(y), outside the dw GEMM so that it is not
-    rounded (triton_kernels.py). Rows with h_n = 0 (one-hot folded into E, ignored, dead) add 0 at
-    row 0. index_put_ with accumulate=True sums repeated targets in a fixed order on CUDA (it
-    sorts them), so a call repeats bit for bit."""
-    y = torch.where(h != 0, y, 0)
-    hx = h[:, None] * x.float()  # (n, D)
-    for (a, b), acc in zip(parts, accs, strict=True):
-        if len(parts) == 1:
-            acc.index_put_((y,), -hx, accumulate=True)
-            continue
-        inside = (y >= a) & (y < b)
-        acc.index_put_(((y - a).clamp(0, b - a - 1),), -(hx * inside[:, None]), accumulate=True)
-    if db is not None:
-        db.index_put_((y,), -h, accumulate=True)
+def _subtract_one_hot(accs, parts, db, y, h, x, cfg):
+    """dw[y_n] -= h_n x_n over all rows (and db[y_n] -= h_n when db is not None), in fp32: the
+    one-hot term of G = diag(f) E - diag(h) onehot(y), outside the dw GEMM so that it is not
+    rounded (triton_kernels.py). The rows sorted by target (stable), runs of equal targets are
+    summed in that order (_one_hot_pieces_kernel, _one_hot_runs_kernel): no atomics, the same
+    sums every call, and real text's frequent targets are spread over many programs. Rows with
+    h_n = 0 (the one-hot folded into E, ignored, dead) add nothing."""
+    N, D = x.shape
+    ys, order = torch.sort(y, stable=True)
+    R = cfg["one_hot_rows"]
+    blocks = triton.cdiv(N, R)
+    jobs = [(acc, a, b, x) for (a, b), acc in zip(parts, accs, strict=True)]
+    if db is not None:  # db as a one-column dw of a column of ones
+        jobs.append((db[:, None], 0, db.numel(), x.new_ones((N, 1))))
+    for acc, a, b, rows in jobs:
+        width = rows.shape[1]
+        BD = max(16, min(cfg["BD"], triton.next_power_of_2(width)))
+        part = torch.empty((blocks, 2, width), device=x.device, dtype=torch.float32)
+        grid = (blocks, triton.cdiv(width, BD))
+        kw = dict(R=R, BD=BD)
+        triton_kernels._one_hot_pieces_kernel[grid](
+            acc, part, rows, ys, order, h, N, width, a, b, **kw
+        )  # fmt: skip
+        triton_kernels._one_hot_runs_kernel[grid](acc, part, ys, N, width, a, b, blocks, **kw)
 
 
 def row_kernel_maxnreg(num_warps, per_sm):
@@ -290,8 +300,8 @@ def lce_pass(
         accs = [torch.empty((b - a, D), device=dev, dtype=torch.float32) for a, b in parts]
         db_acc = torch.empty(V, device=dev, dtype=torch.float32) if has_bias else None
     if single:  # a chunk's G = diag(f) E - diag(h) onehot(y) (triton_kernels.py)
-        f = torch.empty(n, device=dev, dtype=torch.float32)  # row scales
-        h = torch.empty(n, device=dev, dtype=torch.float32)  # one-hot weights
+        f = torch.empty(n, device=dev, dtype=torch.float32)  # row scales of a chunk
+        h_all = torch.empty(N, device=dev, dtype=torch.float32)  # one-hot weights of every row
         if want_grad:
             p = torch.empty((n, D), device=dev, dtype=torch.float32)  # E @ w of a chunk
             xs_scaled = torch.empty((n, D), device=dev, dtype=x.dtype)  # f * x of a chunk
@@ -312,6 +322,7 @@ def lce_pass(
         xs, z, dxs = x[c0 : c0 + rows], buf[:rows], dx[c0 : c0 + rows]
         ys, gs = y[c0 : c0 + rows], g[c0 : c0 + rows] if g_per_row else g
         lses = lse[c0 : c0 + rows] if want_lse else None
+        h = h_all[c0 : c0 + rows] if single else None
         if exp_epilogue:  # E from the GEMM's epilogue; f = g / S, h
             if i:
                 exp_gemm.start(xs, w, ys, z, state, **gemm_kw)
@@ -348,12 +359,13 @@ def lce_pass(
                 xs, f, xs_scaled, xs, ys, h, D, HOT=False, **scale
             )  # fmt: skip
             _accumulate_dw(accs, parts, z.t(), xs_scaled[:rows], first=i == 0, cfg=cfg)
-            _subtract_one_hot(accs, parts, db_acc, ys, h[:rows], xs)
         else:  # dx = G @ w, dw += G.T @ x
             _gemm(dxs, z, w, cfg)
             _accumulate_dw(accs, parts, z.t(), xs, first=i == 0, cfg=cfg)
     del buf, z, args, state  # free the buffer before the cast allocates dw in its dtype
     db = no_db
+    if want_grad and single:
+        _subtract_one_hot(accs, parts, db_acc, y, h_all, x, cfg)
     if want_grad:
         casts = []
         while accs:  # cast each part, then free its fp32 accumulator

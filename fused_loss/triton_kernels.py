@@ -333,6 +333,94 @@ def _row_scale_kernel(
 
 
 @triton.jit
+def _one_hot_pieces_kernel(
+    acc_ptr,  # (b - a, D) fp32: rows [a, b) of dw, less sum_{n: y_n = v} h_n x_n at row v - a
+    part_ptr,  # (blocks, 2, D) fp32 out: a block's sums of the runs that cross its ends
+    x_ptr,  # (N, D)
+    ys_ptr,  # (N,) int64 targets, sorted
+    order_ptr,  # (N,) int64: the row of each sorted target
+    h_ptr,  # (N,) fp32 one-hot weights of the rows
+    N,
+    D,
+    a,
+    b,
+    R: tl.constexpr,  # sorted positions a block
+    BD: tl.constexpr,
+):
+    """The one-hot term of dw (G = diag(f) E - diag(h) onehot(y)), in two launches: here each block
+    of R sorted positions sums the rows of each run of equal targets in order; a run inside the
+    block is subtracted from its dw row at once, the pieces of a run that crosses the block's
+    first or last position go to part[block, 0] (it began before) or [block, 1] (it goes on), for
+    _one_hot_runs_kernel to add up. No atomics, a fixed order: the same sums every call, and a
+    frequent target (a run of thousands) is summed by many blocks, not one program."""
+    blk = tl.program_id(0)
+    ks = tl.program_id(1) * BD + tl.arange(0, BD)
+    kmask = ks < D
+    i0 = blk * R
+    before = tl.load(ys_ptr + i0 - 1, mask=i0 > 0, other=0)
+    s = tl.zeros((BD,), tl.float32)
+    start = i0  # of the run being summed
+    for j in range(0, R):
+        i = i0 + j
+        if i < N:
+            v = tl.load(ys_ptr + i)
+            n = tl.load(order_ptr + i)
+            row = tl.load(x_ptr + n * D + ks, mask=kmask, other=0.0).to(tl.float32)
+            s += tl.load(h_ptr + n) * row
+            goes_on = (i + 1 < N) & (tl.load(ys_ptr + i + 1, mask=i + 1 < N, other=0) == v)
+            if (~goes_on) | (j == R - 1):  # the run ends here, or the block does
+                began_before = (start == i0) & (i0 > 0) & (before == v)
+                if began_before:
+                    tl.store(part_ptr + (blk * 2) * D + ks, s, mask=kmask)
+                elif goes_on:
+                    tl.store(part_ptr + (blk * 2 + 1) * D + ks, s, mask=kmask)
+                elif (v >= a) & (v < b):
+                    dst = acc_ptr + (v - a) * D + ks
+                    tl.store(dst, tl.load(dst, mask=kmask, other=0.0) - s, mask=kmask)
+                s = tl.zeros((BD,), tl.float32)
+                start = i + 1
+
+
+@triton.jit
+def _one_hot_runs_kernel(
+    acc_ptr,  # (b - a, D) fp32, as in _one_hot_pieces_kernel
+    part_ptr,  # (blocks, 2, D) fp32 from _one_hot_pieces_kernel
+    ys_ptr,  # (N,) int64 targets, sorted
+    N,
+    D,
+    a,
+    b,
+    blocks,
+    R: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """The runs that cross a block's end, each added up by the block it began in: its piece
+    there, then the first piece of each following block it covers, in order."""
+    q = tl.program_id(0)
+    ks = tl.program_id(1) * BD + tl.arange(0, BD)
+    kmask = ks < D
+    last = tl.minimum((q + 1) * R, N) - 1
+    v = tl.load(ys_ptr + last)
+    goes_on = (last + 1 < N) & (tl.load(ys_ptr + last + 1, mask=last + 1 < N, other=0) == v)
+    first = q * R
+    before = tl.load(ys_ptr + first - 1, mask=first > 0, other=0)
+    whole = (first > 0) & (tl.load(ys_ptr + first) == v) & (before == v)  # began before q
+    if goes_on & (~whole):
+        total = tl.load(part_ptr + (q * 2 + 1) * D + ks, mask=kmask, other=0.0)
+        r = q + 1
+        more = r < blocks
+        while more:
+            total += tl.load(part_ptr + (r * 2) * D + ks, mask=kmask, other=0.0)
+            r_last = tl.minimum((r + 1) * R, N) - 1
+            nxt = tl.load(ys_ptr + r_last + 1, mask=r_last + 1 < N, other=0)
+            more = (r_last + 1 < N) & (nxt == v)  # it covers block r and goes on
+            r += 1
+        if (v >= a) & (v < b):
+            dst = acc_ptr + (v - a) * D + ks
+            tl.store(dst, tl.load(dst, mask=kmask, other=0.0) - total, mask=kmask)
+
+
+@triton.jit
 def _scale_kernel(src_ptr, g_ptr, dst_ptr, numel, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """dst = src * g, g a 1-element fp32 tensor; the product is formed in fp32, rounded once.
     dst may be src (each element is read and written by the same program)."""

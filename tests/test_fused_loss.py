@@ -623,6 +623,35 @@ def test_single_read_keeps_an_fp32_dw_exact(logits, monkeypatch, row_kernel):
     assert _rel(dx, dx64) < dx_max  # bf16 dx: 1.7e-3 / 2.3e-3, most of it its own rounding
 
 
+@needs_kernels
+def test_one_hot_term_sums_runs_of_equal_targets(row_kernel):
+    # _subtract_one_hot against index_put_'s accumulation: runs of one target longer than a block
+    # (4 sorted rows on CPU) and spanning several, runs that end on a block's edge, ignored rows,
+    # rows with h = 0, targets in each of three parts of dw and the bias gradient
+    if not row_kernel:
+        pytest.skip("one launch of the kernels: the row-kernel setting does not reach it")
+    g = torch.Generator().manual_seed(5)
+    N, D, V = 61, 20, 30
+    y = torch.randint(0, V, (N,), generator=g)
+    y[torch.randperm(N, generator=g)[:23]] = 7  # a run of 20+ rows: 6+ blocks
+    y[torch.randperm(N, generator=g)[:5]] = 29
+    y[:3] = -100
+    h = torch.rand(N, generator=g)
+    h[y == -100] = 0
+    h[::11] = 0
+    x = torch.randn(N, D, generator=g).to(torch.bfloat16)
+    parts = [(0, 7), (7, 8), (8, V)]
+    accs = [torch.randn(b - a, D, generator=g) for a, b in parts]
+    db = torch.randn(V, generator=g)
+    want = torch.cat(accs).clone()
+    keep = y >= 0
+    want.index_put_((y[keep],), -(h[keep, None] * x[keep].float()), accumulate=True)
+    db_want = db.clone().index_put_((y[keep],), -h[keep], accumulate=True)
+    fl._subtract_one_hot(accs, parts, db, y, h, x, fl.LAUNCH["cpu"])
+    torch.testing.assert_close(torch.cat(accs), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(db, db_want, rtol=0, atol=1e-5)
+
+
 def _one_hot_out(e, f, h, t):
     """G = diag(f) e - diag(h) onehot(t) (the single read's G, triton_kernels.py)."""
     G = e * f[:, None]
