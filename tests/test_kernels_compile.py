@@ -79,6 +79,13 @@ for src in ("fp32", "bf16"):
            "y_ptr": "*i64", "h_ptr": "*fp32", "D": "i32"}
     consts = dict(HOT=src == "fp32", BD=256, INTERPRETED=False)
     out[f"row_scale {src}"] = build(kernels._row_scale_kernel, sig, consts, 4)
+ptrs = {"acc_ptr": "*fp32", "part_ptr": "*fp32", "x_ptr": "*bf16", "ys_ptr": "*i64",
+        "order_ptr": "*i64", "h_ptr": "*fp32"}
+ints = {n: "i32" for n in ("N", "D", "a", "b")}
+out["one_hot pieces"] = build(kernels._one_hot_pieces_kernel, ptrs | ints, dict(R=64, BD=256), 4)
+ptrs = {"acc_ptr": "*fp32", "part_ptr": "*fp32", "ys_ptr": "*i64"}
+out["one_hot runs"] = build(kernels._one_hot_runs_kernel, ptrs | ints | {"blocks": "i32"},
+                            dict(R=64, BD=256), 4)
 for dt in ("bf16", "fp32"):
     sig = {"src_ptr": f"*{dt}", "g_ptr": "*fp32", "dst_ptr": f"*{dt}", "numel": "i32"}
     out[f"scale {dt}"] = build(kernels._scale_kernel, sig, dict(BLOCK=4096, INTERPRETED=False), 4)
@@ -117,7 +124,7 @@ def _compile_for_sm90(script):
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="this Triton has no NVIDIA backend")
 def test_kernels_compile_for_sm90_with_vectorised_logit_loads():
     loads = _compile_for_sm90(SCRIPT)
-    assert len(loads) == 17
+    assert len(loads) == 19
     for name, (v4, b16) in loads.items():
         if name.startswith("gemv"):  # the weight rows: 16-byte loads
             assert v4 >= 1, (name, v4, b16)
