@@ -61,7 +61,7 @@ _CHOICES = dict(
 )
 ORDERS = ("forward", "pass1_back", "pass2_back")
 LAUNCH = {
-    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, one_hot_rows=32, **_CHOICES),
+    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, one_hot_rows=16, **_CHOICES),
     "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, one_hot_rows=4, **_CHOICES),
 }
 REGS_PER_SM = 65536  # 32-bit registers per SM on sm_70 .. sm_90

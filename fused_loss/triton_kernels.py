@@ -333,6 +333,12 @@ def _row_scale_kernel(
 
 
 @triton.jit
+def _run_sum(a, a_starts, b, b_starts):
+    """associative_scan's combine for sums within runs: a run's first element resets the sum."""
+    return tl.where(b_starts, b, a + b), a_starts | b_starts
+
+
+@triton.jit
 def _one_hot_pieces_kernel(
     acc_ptr,  # (b - a, D) fp32: rows [a, b) of dw, less sum_{n: y_n = v} h_n x_n at row v - a
     part_ptr,  # (blocks, 2, D) fp32 out: a block's sums of the runs that cross its ends
@@ -344,41 +350,45 @@ def _one_hot_pieces_kernel(
     D,
     a,
     b,
-    R: tl.constexpr,  # sorted positions a block
+    R: tl.constexpr,  # sorted positions a block (a power of 2)
     BD: tl.constexpr,
 ):
-    """The one-hot term of dw (G = diag(f) E - diag(h) onehot(y)), in two launches: here each block
-    of R sorted positions sums the rows of each run of equal targets in order; a run inside the
-    block is subtracted from its dw row at once, the pieces of a run that crosses the block's
-    first or last position go to part[block, 0] (it began before) or [block, 1] (it goes on), for
-    _one_hot_runs_kernel to add up. No atomics, a fixed order: the same sums every call, and a
-    frequent target (a run of thousands) is summed by many blocks, not one program."""
+    """The one-hot term of dw (G = diag(f) E - diag(h) onehot(y)), in two launches. Here a block
+    of R sorted positions gathers their rows h_n x_n and sums each run of equal targets with a
+    segmented scan (a fixed tree order); a run inside the block is subtracted from its dw row at
+    once, the pieces of a run that crosses the block's first or last position go to
+    part[block, 0] (it began before) or [block, 1] (it goes on), for _one_hot_runs_kernel to add
+    up. No atomics, a fixed order: the same sums every call, and a frequent target (a run of
+    thousands) is summed by many blocks, not one program."""
     blk = tl.program_id(0)
     ks = tl.program_id(1) * BD + tl.arange(0, BD)
     kmask = ks < D
     i0 = blk * R
+    i = i0 + tl.arange(0, R)
+    live = i < N
+    v = tl.load(ys_ptr + i, mask=live, other=0)
+    prev = tl.load(ys_ptr + i - 1, mask=live & (i > 0), other=0)
+    nxt = tl.load(ys_ptr + i + 1, mask=i + 1 < N, other=0)
     before = tl.load(ys_ptr + i0 - 1, mask=i0 > 0, other=0)
-    s = tl.zeros((BD,), tl.float32)
-    start = i0  # of the run being summed
-    for j in range(0, R):
-        i = i0 + j
-        if i < N:
-            v = tl.load(ys_ptr + i)
-            n = tl.load(order_ptr + i)
-            row = tl.load(x_ptr + n * D + ks, mask=kmask, other=0.0).to(tl.float32)
-            s += tl.load(h_ptr + n) * row
-            goes_on = (i + 1 < N) & (tl.load(ys_ptr + i + 1, mask=i + 1 < N, other=0) == v)
-            if (~goes_on) | (j == R - 1):  # the run ends here, or the block does
-                began_before = (start == i0) & (i0 > 0) & (before == v)
-                if began_before:
-                    tl.store(part_ptr + (blk * 2) * D + ks, s, mask=kmask)
-                elif goes_on:
-                    tl.store(part_ptr + (blk * 2 + 1) * D + ks, s, mask=kmask)
-                elif (v >= a) & (v < b):
-                    dst = acc_ptr + (v - a) * D + ks
-                    tl.store(dst, tl.load(dst, mask=kmask, other=0.0) - s, mask=kmask)
-                s = tl.zeros((BD,), tl.float32)
-                start = i + 1
+    starts = (i == i0) | (v != prev)  # the scan restarts at each run, and at the block's start
+    ends = (i + 1 >= N) | (nxt != v)
+    last = i == tl.minimum(i0 + R, N) - 1
+    rows = tl.load(order_ptr + i, mask=live, other=0)
+    hx = tl.load(x_ptr + rows[:, None] * D + ks[None, :], mask=live[:, None] & kmask[None, :],
+                 other=0.0).to(tl.float32)  # fmt: skip
+    hx = hx * tl.load(h_ptr + rows, mask=live, other=0.0)[:, None]
+    sums, _ = tl.associative_scan((hx, tl.broadcast_to(starts[:, None], (R, BD))), 0, _run_sum)
+    emit = live & (ends | last)  # each run's last position in the block holds its sum
+    began_before = (i >= R) & (v == before)  # not in block 0; sorted: only its first run
+    goes_on = last & ~ends
+    cols = kmask[None, :]
+    to_part = part_ptr + (blk * 2) * D + ks[None, :] + tl.zeros((R, 1), tl.int32)
+    tl.store(to_part, sums, mask=(emit & began_before)[:, None] & cols)
+    tl.store(to_part + D, sums, mask=(emit & goes_on & ~began_before)[:, None] & cols)
+    own = emit & ~goes_on & ~began_before & (v >= a) & (v < b)
+    dst = acc_ptr + (v - a)[:, None] * D + ks[None, :]
+    mask = own[:, None] & cols
+    tl.store(dst, tl.load(dst, mask=mask, other=0.0) - sums, mask=mask)
 
 
 @triton.jit
