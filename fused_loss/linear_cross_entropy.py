@@ -28,7 +28,8 @@ from fused_loss.reference import linear_cross_entropy_reference
 # bench/RESULTS.md §1.
 #   BV, BD        columns per step of the row kernels; D-block of _row_scale_kernel (and of
 #                 the one-hot kernels)
-#   one_hot_rows  sorted rows a block of _one_hot_pieces_kernel sums
+#   one_hot_rows  sorted rows a block of _one_hot_pieces_kernel sums; one_hot_steps: blocks
+#                 _one_hot_runs_kernel adds a step along a run that crosses blocks
 #   per_sm        programs per SM (persistent over rows; 0: one program per row)
 #   single_read   _exp_rows_kernel (one read of the buffer, the row scales applied around the
 #                 GEMMs) instead of _softmax_grad_kernel (two reads). It rounds f * x for the dw
@@ -61,8 +62,10 @@ _CHOICES = dict(
 )
 ORDERS = ("forward", "pass1_back", "pass2_back")
 LAUNCH = {
-    "cuda": dict(BV=4096, BD=256, num_warps=8, per_sm=4, one_hot_rows=16, **_CHOICES),
-    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, one_hot_rows=4, **_CHOICES),
+    "cuda": dict(
+        BV=4096, BD=256, num_warps=8, per_sm=4, one_hot_rows=16, one_hot_steps=32, **_CHOICES
+    ),
+    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, one_hot_rows=4, one_hot_steps=2, **_CHOICES),
 }
 REGS_PER_SM = 65536  # 32-bit registers per SM on sm_70 .. sm_90
 REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kernel rebases a row
@@ -201,7 +204,9 @@ def _subtract_one_hot(accs, parts, db, y, h, x, cfg):
         triton_kernels._one_hot_pieces_kernel[grid](
             acc, part, rows, ys, order, h, N, width, a, b, **kw
         )  # fmt: skip
-        triton_kernels._one_hot_runs_kernel[grid](acc, part, ys, N, width, a, b, blocks, **kw)
+        triton_kernels._one_hot_runs_kernel[grid](
+            acc, part, ys, N, width, a, b, blocks, S=cfg["one_hot_steps"], **kw
+        )  # fmt: skip
 
 
 def row_kernel_maxnreg(num_warps, per_sm):

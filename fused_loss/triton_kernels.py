@@ -403,9 +403,13 @@ def _one_hot_runs_kernel(
     blocks,
     R: tl.constexpr,
     BD: tl.constexpr,
+    S: tl.constexpr,  # following blocks examined a step (a power of 2)
 ):
     """The runs that cross a block's end, each added up by the block it began in: its piece
-    there, then the first piece of each following block it covers, in order."""
+    there, then the first pieces of the following blocks it covers, S blocks a step (block r is
+    covered when its first sorted target is the run's: the targets are sorted), each step's S
+    summed as a tree, in a fixed order. Runs of targets outside [a, b) (ignored rows) are
+    skipped: only dw's rows take them."""
     q = tl.program_id(0)
     ks = tl.program_id(1) * BD + tl.arange(0, BD)
     kmask = ks < D
@@ -415,19 +419,21 @@ def _one_hot_runs_kernel(
     first = q * R
     before = tl.load(ys_ptr + first - 1, mask=first > 0, other=0)
     whole = (first > 0) & (tl.load(ys_ptr + first) == v) & (before == v)  # began before q
-    if goes_on & (~whole):
+    if goes_on & (~whole) & (v >= a) & (v < b):
         total = tl.load(part_ptr + (q * 2 + 1) * D + ks, mask=kmask, other=0.0)
+        steps = tl.arange(0, S)
         r = q + 1
         more = r < blocks
         while more:
-            total += tl.load(part_ptr + (r * 2) * D + ks, mask=kmask, other=0.0)
-            r_last = tl.minimum((r + 1) * R, N) - 1
-            nxt = tl.load(ys_ptr + r_last + 1, mask=r_last + 1 < N, other=0)
-            more = (r_last + 1 < N) & (nxt == v)  # it covers block r and goes on
-            r += 1
-        if (v >= a) & (v < b):
-            dst = acc_ptr + (v - a) * D + ks
-            tl.store(dst, tl.load(dst, mask=kmask, other=0.0) - total, mask=kmask)
+            rs = r + steps
+            inside = rs < blocks
+            covered = inside & (tl.load(ys_ptr + rs * R, mask=inside, other=0) == v)
+            pieces = part_ptr + (rs * 2)[:, None] * D + ks[None, :]
+            total += tl.sum(tl.load(pieces, mask=covered[:, None] & kmask[None, :], other=0.0), 0)
+            more = tl.sum(covered.to(tl.int32), 0) == S  # all S covered: it may go on
+            r += S
+        dst = acc_ptr + (v - a) * D + ks
+        tl.store(dst, tl.load(dst, mask=kmask, other=0.0) - total, mask=kmask)
 
 
 @triton.jit

@@ -532,10 +532,12 @@ def test_gpu_many_chunks_fp32_master(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_fp32_master_dw_exact():
+def test_gpu_fp32_master_dw_exact(row_kernel):
     # test_single_read_keeps_an_fp32_dw_exact at the 124M width and the real vocabulary, fp32
     # master weight under autocast (the trainer's call): with the one-hot term added in fp32, dw
     # is within the softmax part's roundings of float64 (~1e-4 for a flat softmax), not bf16's
+    if not row_kernel:  # G rounded to bf16 whole: dw 2.7e-3 here (run 137), as eager bf16's
+        pytest.skip("the single read's exactness; the two-read kernel rounds G to bf16")
     x, w, t = _make(4096, 768, 50304, 50257, torch.float32, "cuda", ignore_frac=0.05, seed=9)
     x = x.bfloat16()
     w = w.bfloat16().float()  # exact in bf16, so the reference sees what the GEMMs see

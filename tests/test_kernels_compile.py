@@ -85,7 +85,7 @@ ints = {n: "i32" for n in ("N", "D", "a", "b")}
 out["one_hot pieces"] = build(kernels._one_hot_pieces_kernel, ptrs | ints, dict(R=16, BD=256), 4)
 ptrs = {"acc_ptr": "*fp32", "part_ptr": "*fp32", "ys_ptr": "*i64"}
 out["one_hot runs"] = build(kernels._one_hot_runs_kernel, ptrs | ints | {"blocks": "i32"},
-                            dict(R=16, BD=256), 4)
+                            dict(R=16, BD=256, S=32), 4)
 for dt in ("bf16", "fp32"):
     sig = {"src_ptr": f"*{dt}", "g_ptr": "*fp32", "dst_ptr": f"*{dt}", "numel": "i32"}
     out[f"scale {dt}"] = build(kernels._scale_kernel, sig, dict(BLOCK=4096, INTERPRETED=False), 4)
