@@ -34,8 +34,11 @@ from fused_loss.reference import linear_cross_entropy_reference
 #   single_read   _exp_rows_kernel (one read of the buffer, the row scales applied around the
 #                 GEMMs) instead of _softmax_grad_kernel (two reads). It rounds f * x for the dw
 #                 GEMM, one rounding more than torch's path on the softmax part of G (the one-hot
-#                 part is added in fp32): "auto" takes it when dw is fp32 (the fp32 master weight
-#                 under autocast), not for bf16 weights
+#                 part is added in fp32, so dw's error stays below torch's). "auto" takes it for
+#                 an fp32 dw (the fp32 master weight under autocast), and for a bf16 dw unless
+#                 the fp32 accumulator leaves the chunks at MIN_ROWS (1558M's width): there the
+#                 accumulator's read-modify-writes set the time, the single read was no faster
+#                 and its (n, D) scratch passed the lean bound (bench/RESULTS.md §1, run 137)
 #   order         directions of _softmax_grad_kernel's two passes over a row: "forward",
 #                 "pass1_back" or "pass2_back"; the backward orders start pass 2 on the blocks
 #                 pass 1 read last, likelier still in L2
@@ -214,10 +217,11 @@ def row_kernel_maxnreg(num_warps, per_sm):
     return min(255, REGS_PER_SM // (32 * num_warps * per_sm)) // 8 * 8
 
 
-def use_single_read(option, compute_dtype, dw_dtype):
-    """The single-read kernel or not, for LAUNCH' single_read option (True, False, "auto")."""
-    if option == "auto":  # f * x adds a rounding to dw, hidden only when dw is not rounded again
-        option = dw_dtype == torch.float32
+def use_single_read(option, compute_dtype, dw_dtype, roomy=True):
+    """The single-read kernel or not, for LAUNCH' single_read option (True, False, "auto");
+    roomy: the allowance leaves the chunks above MIN_ROWS once dw's accumulator is held."""
+    if option == "auto":
+        option = dw_dtype == torch.float32 or roomy
     return option and compute_dtype != torch.float16  # E reaches e^60: not for fp16
 
 
@@ -273,7 +277,8 @@ def lce_pass(
     acc_bytes = V * D * 4 if want_grad and dw_dtype != torch.float32 else 0
     n = rows_per_chunk(N, V, D, x.element_size(), acc_bytes, cuda)
     programs = _num_sms(dev.index) * cfg["per_sm"] if cuda and cfg["per_sm"] else n
-    single = use_single_read(cfg["single_read"], x.dtype, dw_dtype)
+    roomy = EXTRA_BYTES - acc_bytes >= MIN_ROWS * V * x.element_size()
+    single = use_single_read(cfg["single_read"], x.dtype, dw_dtype, roomy)
     # the options live in _softmax_grad_kernel and in exp_gemm's kernels (label smoothing only
     # in the former: its constant term times the softcap's derivative is no row scale of E)
     exp_epilogue = (

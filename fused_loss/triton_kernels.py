@@ -45,8 +45,8 @@ count (LAUNCH "cap_regs"); mask_cols = V compiles to the unmasked kernel.
 A target outside [0, vocab_size) that is not ignore_index gets a NaN loss (_target): it is never
 used as an index.
 
-Single-read variant (LAUNCH "single_read"; by default for fp32 weights only, see the launcher). The
-second read above is there because exp() needs the row's lse before G can be written. Writing
+Single-read variant (LAUNCH "single_read"; the launcher says when it is the default). The second
+read above is there because exp() needs the row's lse before G can be written. Writing
 instead E_nv = exp(z_nv - c_n), c_n = max of the row's first block (<= the row max), gives
     G = diag(f) E - diag(h) onehot(y),   f_n = g_n / S_n,  S_n = sum_v E_nv,  h_n = g_n
 with ONE scale per row, so the row is read and written once (_exp_rows_kernel), and the scales

@@ -240,10 +240,12 @@ def test_row_kernel_setup_orders_and_bad_options():
         fl.row_kernel_setup(dict(cfg, order="backward"), True, 10, 10)
 
 
-def test_single_read_auto_takes_it_only_for_fp32_dw():
+def test_single_read_auto_leaves_out_fp16_and_crowded_accumulators():
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     assert fl.use_single_read("auto", bf16, fp32)  # fp32 master weight under autocast
-    assert not fl.use_single_read("auto", bf16, bf16)  # dw rounded again: one rounding too many
+    assert fl.use_single_read("auto", bf16, fp32, roomy=False)  # no accumulator to crowd it
+    assert fl.use_single_read("auto", bf16, bf16)  # the 124M shape
+    assert not fl.use_single_read("auto", bf16, bf16, roomy=False)  # the 1558M shape
     assert fl.use_single_read("auto", fp32, fp32)
     assert not fl.use_single_read(True, fp16, fp16)  # E up to e^60 overflows fp16
     assert not fl.use_single_read(False, bf16, fp32)
