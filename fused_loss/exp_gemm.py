@@ -18,13 +18,13 @@ keep the tile's largest exponent <= REBASE, and stores k with the tile's partial
                            s_t = sum_v E                (fp32, before E is rounded to bf16)
     finish, per row:       K = max_t k_t,  S = sum_t s_t exp((k_t - K) REBASE)
                            loss = K REBASE + log S     (= lse - c, and c is the target logit)
-                           f = g / S, and the one-hot: h = g, or where p_y >= 1/2
-                           h = 0 and E_y = exp(-K REBASE) - S  (folded in, in fp32)
+                           f = g / S, and the one-hot: h = g, or where p_y >= 1/2 (every
+                           row without h) h = 0 and E_y = exp(-K REBASE) - S  (folded in, fp32)
                            tiles with k_t < K: E *= exp((k_t - K) REBASE)   (rare)
 
 after which the buffer, f and h are what _exp_rows_kernel leaves: G = diag(f) E - diag(h)
-onehot(y) (triton_kernels.py says why the one-hot stays out of E). Dead rows (ignored targets,
-and out-of-range ones, whose loss is NaN) get E = 0 and f = h = 0: no gradient.
+onehot(y) (triton_kernels.py says why and when the one-hot stays out of E). Dead rows (ignored
+targets, and out-of-range ones, whose loss is NaN) get E = 0 and f = h = 0: no gradient.
 
 Unlike _exp_rows_kernel, E and S come from the unrounded fp32 logits, so the loss does not carry
 the bf16 rounding of z (torch's bf16 path does; the error against an fp32 reference is smaller).
@@ -189,7 +189,7 @@ def _exp_finish_kernel(
     k_ptr,  # (n, T) int32
     loss_ptr,  # (n,) fp32 out
     f_ptr,  # (n,) fp32 out: g / S (0 for dead rows)
-    h_ptr,  # (n,) fp32 out: the one-hot's weight when not folded in (else 0)
+    h_ptr,  # (n,) fp32 out when HOT: the one-hot's weight when not folded in (else 0)
     c_ptr,  # (n,) fp32: the target logits of start()
     lse_ptr,  # (n,) fp32 out, when WRITE_LSE
     softcap,
@@ -204,6 +204,7 @@ def _exp_finish_kernel(
     BT: tl.constexpr,  # >= T
     G_PER_ROW: tl.constexpr,
     WRITE_G: tl.constexpr,
+    HOT: tl.constexpr,  # the one-hot out of E where p_y < 1/2; else folded in on every row
     SOFTCAP: tl.constexpr,
     Z_LOSS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
@@ -229,12 +230,14 @@ def _exp_finish_kernel(
         g = tl.where(live, _row_weight(g_ptr, r, valid, G_PER_ROW), 0.0)
         tl.store(f_ptr + r, tl.where(live, g * coef / S, 0.0))  # a dead row's S may be 0
         e_y = tl.exp2(-K.to(tl.float32) * (REBASE * LOG2E))  # E_y = exp(c - base) in fp32,
-        fold = live & (2.0 * e_y >= S)  # not the rounded one; p_y >= 1/2
-        h = g
-        if SOFTCAP:  # G_y = f E_y - g (1 - (c / softcap)^2): E carries the cap's derivative
-            a = tl.load(c_ptr + r) / softcap
-            h = g * (1.0 - a * a)
-        tl.store(h_ptr + r, tl.where(fold, 0.0, h))
+        fold = live  # not the rounded one
+        if HOT:
+            fold = live & (2.0 * e_y >= S)  # p_y >= 1/2
+            h = g
+            if SOFTCAP:  # G_y = f E_y - g (1 - (c / softcap)^2): E carries the cap's derivative
+                a = tl.load(c_ptr + r) / softcap
+                h = g * (1.0 - a * a)
+            tl.store(h_ptr + r, tl.where(fold, 0.0, h))
         e_row = e_ptr + r64 * stride_e
         out_ty = e_ptr.dtype.element_ty
         lanes = tl.arange(0, BN)
@@ -317,23 +320,26 @@ def finish(
     softcap=None, z_loss=0.0, lse=None,
 ):  # fmt: skip
     """After start(): losses (n,) (with z_loss * lse^2) and, when want_grad, f (n,), h (n,)
-    and e such that G = diag(f) e - diag(h) onehot(y); lse (n,) fp32 out unless None."""
+    and e such that G = diag(f) e - diag(h) onehot(y); h None: the one-hot folded into e on
+    every row, G = diag(f) e; lse (n,) fp32 out unless None."""
     n, V = e.shape
     c, s, k = state
     T = s.shape[1]
     cuda = e.device.type == "cuda"
     _exp_finish_kernel[(n,)](
-        e, y, g, s, k, losses, f, h, c, losses if lse is None else lse, softcap or 0.0, z_loss,
+        e, y, g, s, k, losses, f, f if h is None else h, c, losses if lse is None else lse,
+        softcap or 0.0, z_loss,
         V, T, e.stride(0), vocab_size, ignore_index,
         REBASE=REBASE, BN=LAUNCH["cuda" if cuda else "cpu"]["BN"], BT=triton.next_power_of_2(T),
-        G_PER_ROW=g_per_row, WRITE_G=want_grad, SOFTCAP=softcap is not None, Z_LOSS=z_loss != 0,
+        G_PER_ROW=g_per_row, WRITE_G=want_grad, HOT=h is not None, SOFTCAP=softcap is not None,
+        Z_LOSS=z_loss != 0,
         WRITE_LSE=lse is not None, INTERPRETED=not cuda,
     )  # fmt: skip
 
 
-def exp_logits_reference(x, w, y, g, *, vocab_size, ignore_index):
+def exp_logits_reference(x, w, y, g, *, vocab_size, ignore_index, hot=True):
     """The same in torch (fp32): (E, f, h, losses), G = diag(f) E - diag(h) onehot(y), the
-    one-hot folded into E where p_y >= 1/2; REBASE never taken.
+    one-hot folded into E where p_y >= 1/2 (hot) or on every row (h = 0); REBASE never taken.
 
     Valid only where no row's max logit passes its target's by REBASE nats."""
     z = x.float() @ w.float().T
@@ -348,7 +354,7 @@ def exp_logits_reference(x, w, y, g, *, vocab_size, ignore_index):
     loss = torch.where(valid, torch.where(live, S.log(), float("nan")), 0.0)
     gw = g if g.numel() > 1 else g.expand(len(y))
     f = torch.where(live, gw / S, 0.0)
-    fold = live & (2.0 >= S)  # E_y = exp(c - c) = 1: p_y = 1 / S
+    fold = live & (2.0 >= S) if hot else live  # E_y = exp(c - c) = 1: p_y = 1 / S
     rows = torch.nonzero(fold)[:, 0]
     e[rows, y[rows]] = 1.0 - S[rows]
     h = torch.where(live & ~fold, gw, 0.0)

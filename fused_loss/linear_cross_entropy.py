@@ -309,9 +309,12 @@ def lce_pass(
         dx = torch.empty_like(x)
         accs = [torch.empty((b - a, D), device=dev, dtype=torch.float32) for a, b in parts]
         db_acc = torch.empty(V, device=dev, dtype=torch.float32) if has_bias else None
-    if single:  # a chunk's G = diag(f) E - diag(h) onehot(y) (triton_kernels.py)
+    # a chunk's G = diag(f) E - diag(h) onehot(y), the one-hot out of E only where dw is rounded
+    # to 16 bits at the end, else folded into E on every row (triton_kernels.py says why)
+    hot = single and want_grad and dw_dtype != torch.float32
+    h_all = torch.empty(N, device=dev, dtype=torch.float32) if hot else None  # every row's h
+    if single:
         f = torch.empty(n, device=dev, dtype=torch.float32)  # row scales of a chunk
-        h_all = torch.empty(N, device=dev, dtype=torch.float32)  # one-hot weights of every row
         if want_grad:
             p = torch.empty((n, D), device=dev, dtype=torch.float32)  # E @ w of a chunk
             xs_scaled = torch.empty((n, D), device=dev, dtype=x.dtype)  # f * x of a chunk
@@ -332,7 +335,7 @@ def lce_pass(
         xs, z, dxs = x[c0 : c0 + rows], buf[:rows], dx[c0 : c0 + rows]
         ys, gs = y[c0 : c0 + rows], g[c0 : c0 + rows] if g_per_row else g
         lses = lse[c0 : c0 + rows] if want_lse else None
-        h = h_all[c0 : c0 + rows] if single else None
+        h = h_all[c0 : c0 + rows] if hot else None
         if exp_epilogue:  # E from the GEMM's epilogue; f = g / S, h
             if i:
                 exp_gemm.start(xs, w, ys, z, state, **gemm_kw)
@@ -345,11 +348,13 @@ def lce_pass(
                 _gemm(z, xs, w.t(), cfg)
             if fill:
                 z[:, vocab_size:].fill_(float("-inf"))
-            args = (z, ys, gs, losses[c0 : c0 + rows]) + ((f, h) if single else ())
+            args = (z, ys, gs, losses[c0 : c0 + rows]) + (
+                (f, f if h is None else h) if single else ()
+            )
             args += (rows, V, vocab_size, mask_cols, z.stride(0), ignore_index)
             grid = (min(rows, programs),)
             if single:  # z -> E in place, f = g / S, h
-                triton_kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, **launch)
+                triton_kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, HOT=hot, **launch)
             else:  # z -> G in place
                 lse_out = losses if lses is None else lses
                 triton_kernels._softmax_grad_kernel[grid](
@@ -364,9 +369,10 @@ def lce_pass(
             )  # fmt: skip
         if single:  # dx = f * (E @ w) - h * w[y], dw += E.T @ (f * x) - onehot(y).T @ (h * x)
             _gemm(p[:rows], z, w, cfg)
-            triton_kernels._row_scale_kernel[(rows,)](p, f, dxs, w, ys, h, D, HOT=True, **scale)
+            hs = f if h is None else h
+            triton_kernels._row_scale_kernel[(rows,)](p, f, dxs, w, ys, hs, D, HOT=hot, **scale)
             triton_kernels._row_scale_kernel[(rows,)](
-                xs, f, xs_scaled, xs, ys, h, D, HOT=False, **scale
+                xs, f, xs_scaled, xs, ys, hs, D, HOT=False, **scale
             )  # fmt: skip
             _accumulate_dw(accs, parts, z.t(), xs_scaled[:rows], first=i == 0, cfg=cfg)
         else:  # dx = G @ w, dw += G.T @ x
@@ -374,7 +380,7 @@ def lce_pass(
             _accumulate_dw(accs, parts, z.t(), xs, first=i == 0, cfg=cfg)
     del buf, z, args, state  # free the buffer before the cast allocates dw in its dtype
     db = no_db
-    if want_grad and single:
+    if hot:
         _subtract_one_hot(accs, parts, db_acc, y, h_all, x, cfg)
     if want_grad:
         casts = []

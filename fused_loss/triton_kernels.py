@@ -57,7 +57,11 @@ in fp32 (the launcher). The one-hot term is what dominates G's norm unless p_y i
 would carry two (E_y - S and f * x). When p_y >= 1/2 the one-hot is folded in instead, h_n = 0:
     E_{n,y_n} = E_y - S_n             (from the fp32 exp of z_y, so that p_y ~ 1 does not cancel)
 since there G_y = g (p_y - 1) is small and f E_y ~ g would lose it. The rounding of f * x stays
-one more than torch's path has, on the softmax part of G only.
+one more than torch's path has, on the softmax part of G only. Out of E, the one-hot costs a sort
+of the targets and two launches a call (_one_hot_pieces_kernel, _one_hot_runs_kernel: ~2.5 % of
+the call at 124M, bench/RESULTS.md §1): the launcher takes it (HOT) only where dw is rounded to
+16 bits at the end, where the two folded roundings pass torch's error; an fp32 dw (the master
+weight) keeps the fold on every row, h unused, its error then torch's.
 A block whose max passes c + REBASE (60 nats; e^60 * V still fits fp32) raises c to that max and
 rescales the row's already written E (rare: only rows whose first block is far below their max).
 
@@ -248,12 +252,12 @@ def _softmax_grad_kernel(
 
 @triton.jit
 def _exp_rows_kernel(
-    z_ptr,  # (n, V) logits of the chunk; overwritten by E (one-hot folded in where p_y >= 1/2)
+    z_ptr,  # (n, V) logits of the chunk; overwritten by E (the one-hot folded in: HOT)
     y_ptr,  # (n,) int64
     g_ptr,  # (1,) or (n,) fp32
     loss_ptr,  # (n,) fp32 out
     f_ptr,  # (n,) fp32 out: the row scale g / S (0 for ignored rows)
-    h_ptr,  # (n,) fp32 out: the one-hot's weight when not folded in (else 0)
+    h_ptr,  # (n,) fp32 out when HOT: the one-hot's weight when not folded in (else 0)
     n_rows,
     V,
     vocab_size,
@@ -262,6 +266,7 @@ def _exp_rows_kernel(
     ignore_index,
     G_PER_ROW: tl.constexpr,
     WRITE_G: tl.constexpr,
+    HOT: tl.constexpr,  # the one-hot out of E where p_y < 1/2; else folded in on every row
     REBASE: tl.constexpr,
     BV: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -299,8 +304,10 @@ def _exp_rows_kernel(
             g = _row_weight(g_ptr, r, valid, G_PER_ROW)
             tl.store(f_ptr + r, g / S)
             e_y = tl.exp2((z_y - c) * LOG2E)  # not the stored, rounded E_y: when p_y ~ 1,
-            fold = ok & (2.0 * e_y >= S)  # E_y - S cancels; G_y = f (E_y - S) = g (p_y - 1)
-            tl.store(h_ptr + r, tl.where(fold | ~ok, 0.0, g))
+            fold = ok  # E_y - S cancels; G_y = f (E_y - S) = g (p_y - 1)
+            if HOT:
+                fold = ok & (2.0 * e_y >= S)
+                tl.store(h_ptr + r, tl.where(fold | ~ok, 0.0, g))
             if fold:
                 tl.store(z_row + y, _cast(e_y - S, out_ty, INTERPRETED))
 

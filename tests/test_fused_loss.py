@@ -534,24 +534,25 @@ def test_gpu_many_chunks_fp32_master(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_fp32_master_dw_exact(row_kernel):
-    # test_single_read_keeps_an_fp32_dw_exact at the 124M width and the real vocabulary, fp32
-    # master weight under autocast (the trainer's call): with the one-hot term added in fp32, dw
-    # is within the softmax part's roundings of float64 (~1e-4 for a flat softmax), not bf16's
-    if not row_kernel:  # G rounded to bf16 whole: dw 2.7e-3 here (run 137), as eager bf16's
-        pytest.skip("the single read's exactness; the two-read kernel rounds G to bf16")
-    x, w, t = _make(4096, 768, 50304, 50257, torch.float32, "cuda", ignore_frac=0.05, seed=9)
-    x = x.bfloat16()
-    w = w.bfloat16().float()  # exact in bf16, so the reference sees what the GEMMs see
-    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        fused_linear_cross_entropy(xs, ws, t, vocab_size=50257).backward()
+def test_gpu_single_read_dw_against_torch(row_kernel):
+    # test_single_read_dw_against_torch at the 124M width and the real vocabulary: bf16 weights
+    # (the one-hot out of E: dw 1.7e-3 against torch bf16's 2.2e-3 in bench_fused_loss, run 138;
+    # folded in it was 2.9e-3, run 98), and the fp32 master weight under autocast (folded in)
+    if not row_kernel:
+        pytest.skip("the single read's errors; the two-read kernel's are torch's (G in bf16)")
+    x, w, t = _make(4096, 768, 50304, 50257, torch.bfloat16, "cuda", ignore_frac=0.05, seed=9)
     one = torch.tensor(1.0, device="cuda")
-    _, dx64, dw64 = _run(
-        linear_cross_entropy_reference, x.double(), w.double(), t, one, vocab_size=50257
-    )
-    assert ws.grad.dtype == torch.float32 and _rel(ws.grad, dw64) < 3e-4
-    assert _rel(xs.grad, dx64) < 2e-3  # bf16 dx: its own rounding
+    kw = dict(vocab_size=50257)
+    _, dx64, dw64 = _run(linear_cross_entropy_reference, x.double(), w.double(), t, one, **kw)
+    _, dx_t, dw_t = _run(linear_cross_entropy_reference, x, w, t, one, **kw)  # torch, bf16
+    _, dx, dw = _run(fused_linear_cross_entropy, x, w, t, one, **kw)
+    assert dw.dtype == torch.bfloat16 and _rel(dw, dw64) < 0.9 * _rel(dw_t, dw64)
+    assert _rel(dx, dx64) < 0.9 * _rel(dx_t, dx64)
+    xs, ws = x.clone().requires_grad_(), w.float().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fused_linear_cross_entropy(xs, ws, t, **kw).backward()
+    assert ws.grad.dtype == torch.float32 and _rel(ws.grad, dw64) < 1.2 * _rel(dw_t, dw64)
+    assert _rel(xs.grad, dx64) < 1.2 * _rel(dx_t, dx64)
 
 
 @pytest.mark.gpu
@@ -603,28 +604,36 @@ def test_exp_gemm_matches_its_torch_reference(shape, row_kernel):
     torch.testing.assert_close(losses.nan_to_num(), loss_ref.nan_to_num(), rtol=1e-5, atol=1e-5)
     assert (f[t == -100] == 0).all() and (h[t == -100] == 0).all() and h[3] == 0
     assert (buf[:n][t == -100] == 0).all() and (buf[n:] == 7).all()
+    # without h (an fp32 dw): the one-hot folded into E on every live row, G = diag(f) E
+    exp_gemm.start(x, w, t, buf[:n], state, **kw)
+    exp_gemm.finish(buf[:n], t, g, state, losses, f, None, g_per_row=True, want_grad=True, **kw)
+    e, f_ref, _, _ = exp_gemm.exp_logits_reference(x, w, t, g, hot=False, **kw)
+    assert _rel(buf[:n].float() * f[:, None], e * f_ref[:, None]) < 4e-3
 
 
 @needs_kernels
 @pytest.mark.parametrize("logits", ["triton", "cublas"])
-def test_single_read_keeps_an_fp32_dw_exact(logits, monkeypatch, row_kernel):
-    # The trainer's case: bf16 x, an fp32 (master) weight, so dw stays fp32 and its error is the
-    # single read's own. The one-hot term is most of G; added to dw and dx in fp32, not folded
-    # into E (where E_y - S and f * x were each rounded to bf16: dw 2.4e-3 / 2.9e-3 here before,
-    # dx 2.3e-3 / 2.8e-3), it leaves the softmax part's roundings: E's (exp_gemm's epilogue), or
-    # with the cuBLAS logits GEMM also the bf16 logits' (the larger).
+def test_single_read_dw_against_torch(logits, monkeypatch, row_kernel):
+    # The one-hot term is most of G (1 against |p| ~ V^-1/2 for a flat softmax). With a bf16 dw
+    # it is added in fp32 outside the GEMMs (dw 1.7e-3 / 2.3e-3 here, dx 1.7e-3 / 2.3e-3); folded
+    # into E, E_y - S and f * x are each rounded to bf16 and dw rounded again at the end (2.9e-3 /
+    # 3.3e-3, dx 2.3e-3 / 2.8e-3, past torch's on the GPU). An fp32 dw (the master weight) keeps
+    # the fold: its dw is rounded once (2.4e-3 / 2.9e-3). torch bf16 here: 3.4e-3, 3.4e-3
     if not row_kernel:
         pytest.skip("single read only")
     for cfg in fl.LAUNCH.values():
         monkeypatch.setitem(cfg, "logits", logits)
     x, w, t = _make(256, 64, 512, 500, torch.bfloat16, "cpu", ignore_frac=0.1, seed=21)
-    _, dx, dw = _run(fused_linear_cross_entropy, x, w.float(), t, torch.tensor(1.0), vocab_size=500)
-    _, dx64, dw64 = _run(
-        linear_cross_entropy_reference, x.double(), w.double(), t, torch.tensor(1.0), vocab_size=500
-    )
-    dw_max, dx_max = (1e-3, 2e-3) if logits == "triton" else (2.2e-3, 2.5e-3)  # 4.9e-4, 1.6e-3
-    assert dw.dtype == torch.float32 and _rel(dw, dw64) < dw_max
-    assert _rel(dx, dx64) < dx_max  # bf16 dx: 1.7e-3 / 2.3e-3, most of it its own rounding
+    one, kw = torch.tensor(1.0), dict(vocab_size=500)
+    _, dx64, dw64 = _run(linear_cross_entropy_reference, x.double(), w.double(), t, one, **kw)
+    _, dx_t, dw_t = _run(linear_cross_entropy_reference, x, w, t, one, **kw)
+    _, dx, dw = _run(fused_linear_cross_entropy, x, w, t, one, **kw)
+    dw_max, dx_max = (2.2e-3, 2.0e-3) if logits == "triton" else (2.7e-3, 2.55e-3)
+    assert dw.dtype == torch.bfloat16 and _rel(dw, dw64) < dw_max
+    assert _rel(dx, dx64) < dx_max
+    _, dx, dw = _run(fused_linear_cross_entropy, x, w.float(), t, one, **kw)
+    assert dw.dtype == torch.float32 and _rel(dw, dw64) < 1.2 * _rel(dw_t, dw64)
+    assert _rel(dx, dx64) < 1.2 * _rel(dx_t, dx64)
 
 
 @needs_kernels

@@ -72,8 +72,9 @@ for write_g in (True, False):
                 kernels._softmax_grad_kernel, row_sig(dt, False), dict(c, **on, PASS1_BACK=True,
                 PASS2_BACK=False), 8)
         c["REBASE"] = 60.0
-        out[f"exp_rows {dt} write_g={write_g}"] = build(
-            kernels._exp_rows_kernel, row_sig(dt, True), c, 8)
+        for hot in (False, True) if write_g else (False,):  # the one-hot out of E or folded in
+            out[f"exp_rows {dt} write_g={write_g} hot={hot}"] = build(
+                kernels._exp_rows_kernel, row_sig(dt, True), dict(c, HOT=hot), 8)
 for src in ("fp32", "bf16"):
     sig = {"src_ptr": f"*{src}", "f_ptr": "*fp32", "out_ptr": "*bf16", "w_ptr": "*bf16",
            "y_ptr": "*i64", "h_ptr": "*fp32", "D": "i32"}
@@ -124,7 +125,7 @@ def _compile_for_sm90(script):
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="this Triton has no NVIDIA backend")
 def test_kernels_compile_for_sm90_with_vectorised_logit_loads():
     loads = _compile_for_sm90(SCRIPT)
-    assert len(loads) == 19
+    assert len(loads) == 21
     for name, (v4, b16) in loads.items():
         if name.startswith("gemv"):  # the weight rows: 16-byte loads
             assert v4 >= 1, (name, v4, b16)
@@ -175,7 +176,7 @@ for vocab in (50304, 50257):
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                  if sig[n].startswith("*") or div16.get(n, 1) % 16 == 0}
         consts = dict(G_PER_ROW=False, WRITE_G=True, BV=cfg["BV"], INTERPRETED=False)
-        consts.update(dict(REBASE=fl.REBASE) if single else order)
+        consts.update(dict(REBASE=fl.REBASE, HOT=True) if single else order)
         if not single:  # the options, off
             sig |= {"b_ptr": "*fp32", "lse_ptr": "*fp32", "softcap": "fp32", "z_loss": "fp32",
                     "smoothing": "fp32"}
@@ -295,8 +296,8 @@ fin = dict(e_ptr="*bf16", y_ptr="*i64", g_ptr="*fp32", s_ptr="*fp32", k_ptr="*i3
            loss_ptr="*fp32", f_ptr="*fp32", h_ptr="*fp32", c_ptr="*fp32", lse_ptr="*fp32",
            softcap="fp32", z_loss="fp32")
 fin |= {n: "i32" for n in ("V", "T", "stride_e", "vocab_size", "ignore_index")}
-for options in (False, True):
-    consts = dict(REBASE=exp_gemm.REBASE, BN=BN, BT=256, G_PER_ROW=False, WRITE_G=True,
+for options, hot in ((False, False), (False, True), (True, True)):
+    consts = dict(REBASE=exp_gemm.REBASE, BN=BN, BT=256, G_PER_ROW=False, WRITE_G=True, HOT=hot,
                   SOFTCAP=options, Z_LOSS=options, WRITE_LSE=options, INTERPRETED=False)
     triton.compile(ASTSource(fn=exp_gemm._exp_finish_kernel, constexprs=consts,
                              signature=dict(fin, **{k: "constexpr" for k in consts})),
