@@ -97,7 +97,8 @@ def chunk_cases(n, D, configs):
         buf[:, VOCAB:].fill_(float("-inf"))
         triton_kernels._exp_rows_kernel[(min(n, programs),)](
             buf, y, gw, losses, f, h, n, V, VOCAB, V, buf.stride(0), -100,
-            G_PER_ROW=False, WRITE_G=True, REBASE=fl.REBASE, BV=cfg["BV"], INTERPRETED=False,
+            G_PER_ROW=False, WRITE_G=True, HOT=True, REBASE=fl.REBASE, BV=cfg["BV"],
+            INTERPRETED=False,
             **options,
         )  # fmt: skip
 

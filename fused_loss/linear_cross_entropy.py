@@ -33,8 +33,9 @@ from fused_loss.reference import linear_cross_entropy_reference
 #   per_sm        programs per SM (persistent over rows; 0: one program per row)
 #   single_read   _exp_rows_kernel (one read of the buffer, the row scales applied around the
 #                 GEMMs) instead of _softmax_grad_kernel (two reads). It rounds f * x for the dw
-#                 GEMM, one rounding more than torch's path on the softmax part of G (the one-hot
-#                 part is added in fp32, so dw's error stays below torch's). "auto" takes it for
+#                 GEMM, one rounding more than torch's path on the softmax part of G (with a
+#                 16-bit dw the one-hot part is added in fp32, so dw's error stays below torch's;
+#                 an fp32 dw, not rounded again, keeps it folded into E). "auto" takes it for
 #                 an fp32 dw (the fp32 master weight under autocast), and for a bf16 dw unless
 #                 the fp32 accumulator leaves the chunks at MIN_ROWS (1558M's width): there the
 #                 accumulator's read-modify-writes set the time, the single read was no faster

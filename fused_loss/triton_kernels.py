@@ -58,10 +58,10 @@ would carry two (E_y - S and f * x). When p_y >= 1/2 the one-hot is folded in in
     E_{n,y_n} = E_y - S_n             (from the fp32 exp of z_y, so that p_y ~ 1 does not cancel)
 since there G_y = g (p_y - 1) is small and f E_y ~ g would lose it. The rounding of f * x stays
 one more than torch's path has, on the softmax part of G only. Out of E, the one-hot costs a sort
-of the targets and two launches a call (_one_hot_pieces_kernel, _one_hot_runs_kernel: ~2.5 % of
-the call at 124M, bench/RESULTS.md §1): the launcher takes it (HOT) only where dw is rounded to
-16 bits at the end, where the two folded roundings pass torch's error; an fp32 dw (the master
-weight) keeps the fold on every row, h unused, its error then torch's.
+of the targets and two launches a call (_one_hot_pieces_kernel, _one_hot_runs_kernel: 2-3 % of
+the call, bench/RESULTS.md §1, runs 137-138), so the launcher takes it (HOT) only where dw is
+rounded to 16 bits at the end, where the two folded roundings pass torch's error; an fp32 dw (the
+master weight) keeps the fold on every row, h unused, its error then torch's.
 A block whose max passes c + REBASE (60 nats; e^60 * V still fits fp32) raises c to that max and
 rescales the row's already written E (rare: only rows whose first block is far below their max).
 
