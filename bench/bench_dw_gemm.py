@@ -1,5 +1,6 @@
 """dw's accumulation over the fused loss's chunks with bf16 weights (issue 28): cuBLAS into an fp32
-accumulator, as fused_loss does, against a Triton GEMM that keeps dw as a pair of bf16 halves.
+accumulator, as fused_loss does, against a Triton GEMM that keeps dw as a pair of bf16 halves (a
+variant measured and dropped: bench/RESULTS.md §1, run 141).
 
     python bench/bench_dw_gemm.py [--repeats 3] [--configs all]
     TRITON_INTERPRET=1 python bench/bench_dw_gemm.py --check      # the kernel against float64
