@@ -33,6 +33,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_exp_gemm import events  # noqa: E402
+
 from fused_loss import linear_cross_entropy as fl  # noqa: E402
 from fused_loss.triton_kernels import _cast  # noqa: E402
 
@@ -143,19 +146,6 @@ def check():
         dw_hilo(e, x, hb, torch.zeros_like(lo), first=i == 0, last=True)
     print(f"bf16 accumulation (no lo) {rel(hb):.2e}")
     assert rel(hb) > 1.3 * rel(hi)  # the check can tell the two apart
-
-
-def events(fn, n=20):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(20_000_000)
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / n
 
 
 def time_shape(shape, N, D, configs, repeats):
