@@ -336,7 +336,10 @@ def lce_pass(
         xs, z, dxs = x[c0 : c0 + rows], buf[:rows], dx[c0 : c0 + rows]
         ys, gs = y[c0 : c0 + rows], g[c0 : c0 + rows] if g_per_row else g
         lses = lse[c0 : c0 + rows] if want_lse else None
+        # the single read's h: the one-hot's row weights where it stays out of E (hot); else f
+        # stands in as the kernels' h pointer, which they then never read (HOT False)
         h = h_all[c0 : c0 + rows] if hot else None
+        hs = (f if h is None else h) if single else None
         if exp_epilogue:  # E from the GEMM's epilogue; f = g / S, h
             if i:
                 exp_gemm.start(xs, w, ys, z, state, **gemm_kw)
@@ -349,9 +352,7 @@ def lce_pass(
                 _gemm(z, xs, w.t(), cfg)
             if fill:
                 z[:, vocab_size:].fill_(float("-inf"))
-            args = (z, ys, gs, losses[c0 : c0 + rows]) + (
-                (f, f if h is None else h) if single else ()
-            )
+            args = (z, ys, gs, losses[c0 : c0 + rows]) + ((f, hs) if single else ())
             args += (rows, V, vocab_size, mask_cols, z.stride(0), ignore_index)
             grid = (min(rows, programs),)
             if single:  # z -> E in place, f = g / S, h
@@ -370,7 +371,6 @@ def lce_pass(
             )  # fmt: skip
         if single:  # dx = f * (E @ w) - h * w[y], dw += E.T @ (f * x) - onehot(y).T @ (h * x)
             _gemm(p[:rows], z, w, cfg)
-            hs = f if h is None else h
             triton_kernels._row_scale_kernel[(rows,)](p, f, dxs, w, ys, hs, D, HOT=hot, **scale)
             triton_kernels._row_scale_kernel[(rows,)](
                 xs, f, xs_scaled, xs, ys, hs, D, HOT=False, **scale
