@@ -26,10 +26,10 @@ from fused_loss.reference import linear_cross_entropy_reference
 # The launch of the row kernels (triton_kernels.py), by device ("cpu": the Triton interpreter in
 # tests, small blocks so that small ragged shapes span several). The choices' timings:
 # bench/RESULTS.md §1.
-#   BV, BD        columns per step of the row kernels; D-block of _row_scale_kernel (and of
-#                 the one-hot kernels)
-#   one_hot_rows  sorted rows a block of _one_hot_pieces_kernel sums; one_hot_steps: blocks
-#                 _one_hot_runs_kernel adds a step along a run that crosses blocks
+#   BV, BD        columns per step of the row kernels; D-block of _row_scale_kernel
+#   one_hot_rows  sorted rows a block of _one_hot_pieces_kernel sums; one_hot_cols: its D-block
+#                 (and _one_hot_runs_kernel's); one_hot_steps: blocks _one_hot_runs_kernel adds
+#                 a step along a run that crosses blocks
 #   per_sm        programs per SM (persistent over rows; 0: one program per row)
 #   single_read   _exp_rows_kernel (one read of the buffer, the row scales applied around the
 #                 GEMMs) instead of _softmax_grad_kernel (two reads). It rounds f * x for the dw
@@ -65,12 +65,18 @@ _CHOICES = dict(
     logits="triton",
 )
 ORDERS = ("forward", "pass1_back", "pass2_back")
+# fmt: off
 LAUNCH = {
     "cuda": dict(
-        BV=4096, BD=256, num_warps=8, per_sm=4, one_hot_rows=16, one_hot_steps=32, **_CHOICES
+        BV=4096, BD=256, num_warps=8, per_sm=4, one_hot_rows=8, one_hot_cols=64, one_hot_steps=32,
+        **_CHOICES,
     ),
-    "cpu": dict(BV=16, BD=16, num_warps=1, per_sm=1, one_hot_rows=4, one_hot_steps=2, **_CHOICES),
+    "cpu": dict(
+        BV=16, BD=16, num_warps=1, per_sm=1, one_hot_rows=4, one_hot_cols=16, one_hot_steps=2,
+        **_CHOICES,
+    ),
 }
+# fmt: on
 REGS_PER_SM = 65536  # 32-bit registers per SM on sm_70 .. sm_90
 REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kernel rebases a row
 # Extra memory a call may hold: the (n, V) buffer plus, when the weight is not fp32, the fp32 dw
@@ -193,7 +199,8 @@ def _subtract_one_hot(accs, parts, db, y, h, x, cfg):
     sums every call, and real text's frequent targets are spread over many programs. Rows with
     h_n = 0 (the one-hot folded into E, ignored, dead) add nothing."""
     N, D = x.shape
-    ys, order = torch.sort(y, stable=True)
+    # int32 keys: half the radix passes of int64's (an out-of-range target that wraps has h = 0)
+    ys, order = torch.sort(y.to(torch.int32), stable=True)
     R = cfg["one_hot_rows"]
     blocks = triton.cdiv(N, R)
     jobs = [(acc, a, b, x) for (a, b), acc in zip(parts, accs, strict=True)]
@@ -201,7 +208,7 @@ def _subtract_one_hot(accs, parts, db, y, h, x, cfg):
         jobs.append((db[:, None], 0, db.numel(), x.new_ones((N, 1))))
     for acc, a, b, rows in jobs:
         width = rows.shape[1]
-        BD = max(16, min(cfg["BD"], triton.next_power_of_2(width)))
+        BD = max(16, min(cfg["one_hot_cols"], triton.next_power_of_2(width)))
         part = torch.empty((blocks, 2, width), device=x.device, dtype=torch.float32)
         grid = (blocks, triton.cdiv(width, BD))
         kw = dict(R=R, BD=BD)

@@ -80,13 +80,16 @@ for src in ("fp32", "bf16"):
            "y_ptr": "*i64", "h_ptr": "*fp32", "D": "i32"}
     consts = dict(HOT=src == "fp32", BD=256, INTERPRETED=False)
     out[f"row_scale {src}"] = build(kernels._row_scale_kernel, sig, consts, 4)
-ptrs = {"acc_ptr": "*fp32", "part_ptr": "*fp32", "x_ptr": "*bf16", "ys_ptr": "*i64",
+from fused_loss import linear_cross_entropy as fl
+hot_cfg = fl.LAUNCH["cuda"]
+blk = dict(R=hot_cfg["one_hot_rows"], BD=hot_cfg["one_hot_cols"])
+ptrs = {"acc_ptr": "*fp32", "part_ptr": "*fp32", "x_ptr": "*bf16", "ys_ptr": "*i32",
         "order_ptr": "*i64", "h_ptr": "*fp32"}
 ints = {n: "i32" for n in ("N", "D", "a", "b")}
-out["one_hot pieces"] = build(kernels._one_hot_pieces_kernel, ptrs | ints, dict(R=16, BD=256), 4)
-ptrs = {"acc_ptr": "*fp32", "part_ptr": "*fp32", "ys_ptr": "*i64"}
+out["one_hot pieces"] = build(kernels._one_hot_pieces_kernel, ptrs | ints, blk, 4)
+ptrs = {"acc_ptr": "*fp32", "part_ptr": "*fp32", "ys_ptr": "*i32"}
 out["one_hot runs"] = build(kernels._one_hot_runs_kernel, ptrs | ints | {"blocks": "i32"},
-                            dict(R=16, BD=256, S=32), 4)
+                            dict(blk, S=hot_cfg["one_hot_steps"]), 4)
 for dt in ("bf16", "fp32"):
     sig = {"src_ptr": f"*{dt}", "g_ptr": "*fp32", "dst_ptr": f"*{dt}", "numel": "i32"}
     out[f"scale {dt}"] = build(kernels._scale_kernel, sig, dict(BLOCK=4096, INTERPRETED=False), 4)
