@@ -350,7 +350,7 @@ def _one_hot_pieces_kernel(
     acc_ptr,  # (b - a, D) fp32: rows [a, b) of dw, less sum_{n: y_n = v} h_n x_n at row v - a
     part_ptr,  # (blocks, 2, D) fp32 out: a block's sums of the runs that cross its ends
     x_ptr,  # (N, D)
-    ys_ptr,  # (N,) int64 targets, sorted
+    ys_ptr,  # (N,) int32 targets, sorted
     order_ptr,  # (N,) int64: the row of each sorted target
     h_ptr,  # (N,) fp32 one-hot weights of the rows
     N,
@@ -402,7 +402,7 @@ def _one_hot_pieces_kernel(
 def _one_hot_runs_kernel(
     acc_ptr,  # (b - a, D) fp32, as in _one_hot_pieces_kernel
     part_ptr,  # (blocks, 2, D) fp32 from _one_hot_pieces_kernel
-    ys_ptr,  # (N,) int64 targets, sorted
+    ys_ptr,  # (N,) int32 targets, sorted
     N,
     D,
     a,
