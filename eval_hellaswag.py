@@ -11,9 +11,9 @@ import sys
 
 import torch
 
-import distributed
+from core import distributed
+from core.device import resolve_dtype
 from data import hellaswag
-from device import resolve_dtype
 from sample import load_model
 
 

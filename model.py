@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import generate
+from core import generate
 from fused_loss import (
     attention,
     cublaslt,

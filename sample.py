@@ -19,11 +19,10 @@ from pathlib import Path
 
 import torch
 
-import generate
-import model_io
-from checkpoint import CheckpointError
-from device import DTYPES, pick_device, resolve_dtype
-from errors import run_main
+from core import generate, model_io
+from core.checkpoint import CheckpointError
+from core.device import DTYPES, pick_device, resolve_dtype
+from core.errors import run_main
 
 
 def load_model(ckpt=None, hf_dir=None, device="cpu", dtype=torch.float32):

@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import distributed
-import sharding
-from checkpoint import (
+from core import distributed, sharding
+from core.checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_for_resume,
@@ -32,18 +31,27 @@ from checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from compile_guard import check_training_step, compiled_loss_mismatch, compiler_settings
-from config import IMPL_KEYS, MODEL_KEYS, ConfigError, grad_accum_steps, help_text, load_config
+from core.compile_guard import check_training_step, compiled_loss_mismatch, compiler_settings
+from core.config import IMPL_KEYS, MODEL_KEYS, ConfigError, grad_accum_steps, help_text, load_config
+from core.device import peak_flops, resolve_dtype
+from core.errors import run_main
+from core.model_io import checkpoint_settings
+from core.optim import get_lr
+from core.runlog import (
+    LogError,
+    RunLog,
+    StepLog,
+    StepStats,
+    StopFlag,
+    every,
+    git_sha,
+    triton_version,
+)
 from data import hellaswag, resolve_dataset
 from data.loader import DataLoader, iter_val_batches
 from data.shards import DataError, read_shard
 from data.tokenizer import EOT, get_tokenizer
-from device import peak_flops, resolve_dtype
-from errors import run_main
-from loop import LogError, RunLog, StepLog, StepStats, StopFlag, every, git_sha, triton_version
 from model import GPT, GPTConfig
-from model_io import checkpoint_settings
-from optim import get_lr
 
 # what --resume reads from a checkpoint (save() writes these and more)
 RESUME_KEYS = ("model", "model_config", "optimizer", "step", "loader", "rng")

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import optim  # noqa: E402
+from core import optim  # noqa: E402
 from fused_loss.adamw import MultiTensorAdamW  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 

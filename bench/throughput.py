@@ -64,12 +64,12 @@ if profile:  # steps 10-12 only: past compilation and warm-up, before the final 
     from torch.profiler import ProfilerActivity, profile as prof_ctx, schedule
     sched = schedule(wait=9, warmup=1, active=3, repeat=1)
     with prof_ctx(activities=[ProfilerActivity.CUDA], schedule=sched) as prof:
-        import loop
-        fmt = loop.format_step
+        from core import runlog
+        fmt = runlog.format_step
         def stepping(rec, max_steps):  # the loop calls this once per optimizer step
             prof.step()
             return fmt(rec, max_steps)
-        loop.format_step = stepping
+        runlog.format_step = stepping
         train.main(args)
     rows = sorted(((e.device_time_total, e.count, e.key) for e in prof.key_averages()
                    if e.device_time_total > 0), reverse=True)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import optim
+from core import optim
 from fused_loss.adamw import MultiTensorAdamW
 
 CUDA = pytest.param(

@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-import checkpoint
 import train
 from conftest import read_log
-from errors import run_main
+from core import checkpoint
+from core.errors import run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -229,7 +229,7 @@ def test_a_log_write_that_fails_stops_the_run_in_one_line(tiny_args, tmp_path, m
     """log.jsonl on a full disk (after a checkpoint has been written): the run stops with a
     LogError naming the file, the step and the newest checkpoint (one line through errors.py),
     not a raw OSError from the write or from closing the file."""
-    import loop
+    from core import runlog
 
     out = tmp_path / "out"
     real_open = open
@@ -238,9 +238,9 @@ def test_a_log_write_that_fails_stops_the_run_in_one_line(tiny_args, tmp_path, m
         f = real_open(path, mode, *a, **kw)
         return _FullDisk(f, room=700) if str(path).endswith("log.jsonl") and "a" in mode else f
 
-    monkeypatch.setattr(loop, "open", full_log, raising=False)  # RunLog opens log.jsonl
+    monkeypatch.setattr(runlog, "open", full_log, raising=False)  # RunLog opens log.jsonl
     args = tiny_args + [f"--out_dir={out}", "--max_steps=8", "--ckpt_interval=2"]
-    with pytest.raises(loop.LogError) as err:
+    with pytest.raises(runlog.LogError) as err:
         train.main(args)
     msg = str(err.value)
     assert f"cannot write {out / 'log.jsonl'} (No space left on device): stopped at step" in msg

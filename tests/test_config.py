@@ -8,13 +8,12 @@ import re
 import pytest
 import torch
 
-import checkpoint
-import optim
 import train
-from config import MODEL_KEYS, ConfigError, TrainConfig, grad_accum_steps, load_config
-from device import peak_flops
-from errors import run_main
-from optim import get_lr
+from core import checkpoint, optim
+from core.config import MODEL_KEYS, ConfigError, TrainConfig, grad_accum_steps, load_config
+from core.device import peak_flops
+from core.errors import run_main
+from core.optim import get_lr
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import compile_guard
 import train
 from conftest import read_log
+from core import checkpoint, compile_guard
 from data.loader import DataLoader
 from data.shards import write_shard
 
@@ -178,7 +177,7 @@ def test_exit_if_launched_leaves_only_under_torchrun(monkeypatch):
     """After a clean end under torchrun the process leaves through os._exit(0), skipping the
     interpreter's finalisation (where gloo's threads once aborted a finished rank); outside
     torchrun it returns and the interpreter ends as usual."""
-    import distributed
+    from core import distributed
 
     calls = []
     monkeypatch.setattr(distributed.os, "_exit", lambda code: calls.append(code))

@@ -4,7 +4,7 @@ against fp64 torch, alone and as model.Block's decoding step."""
 import pytest
 import torch
 
-import generate
+from core import generate
 from fused_loss import gemv
 from model import GPT, GPTConfig
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import eval_hellaswag
-import model_io
+from core import model_io
 from data import hellaswag as hs
 from data.tokenizer import get_tokenizer
 from model import GPT, GPTConfig

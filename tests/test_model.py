@@ -9,11 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import generate
-import model_io
-from device import pick_device
+from core import generate, model_io
+from core.device import pick_device
+from core.model_io import _read_safetensors, _write_safetensors
 from model import GPT, GPTConfig
-from model_io import _read_safetensors, _write_safetensors
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_TINY = FIXTURES / "hf_gpt2_tiny"

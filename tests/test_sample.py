@@ -5,8 +5,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import model_io
 import sample
+from core import model_io
 from data.tokenizer import EOT, get_tokenizer
 from model import GPT, GPTConfig
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 import sample
-import sharding
 import train
-from config import ConfigError, TrainConfig
 from conftest import TINY, read_log
-from distributed import Processes
+from core import sharding
+from core.config import ConfigError, TrainConfig
+from core.distributed import Processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 20

@@ -15,13 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import compile_guard
-import config
-import model_io
 import train
-from checkpoint import list_checkpoints
-from compile_guard import CompileMismatch
 from conftest import read_log
+from core import compile_guard, config, model_io
+from core.checkpoint import list_checkpoints
+from core.compile_guard import CompileMismatch
 from data import resolve_dataset
 from data.loader import iter_val_batches
 from model import GPT, GPTConfig

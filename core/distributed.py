@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from device import keep_freed_memory, pick_device
+from core.device import keep_freed_memory, pick_device
 
 
 @dataclass

@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field
 
-from compile_guard import BUFFER_REUSE, COMPILE_MODES
+from core.compile_guard import BUFFER_REUSE, COMPILE_MODES
 from model import GPTConfig, normalise_impl
 
 

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from checkpoint import newest_note
+from core.checkpoint import newest_note
 
 
 def every(step, interval):
