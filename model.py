@@ -27,7 +27,7 @@ from fused_loss import (
     gemv,
     linear_cross_entropy_reference,
 )
-from fused_loss.mlp import mlp_cublaslt, mlp_reference
+from fused_loss.mlp import mlp_cublaslt
 
 # name -> (n_layer, n_head, n_embd); block size 1024, vocab 50257 for all of them.
 _PRESETS = {
@@ -190,7 +190,9 @@ class MLP(nn.Module):
             out = mlp_cublaslt(x, *w, residual=fused)
             if out is not None and fused is not None:
                 return out
-        out = self.dropout(mlp_reference(x, *w) if out is None else out)
+        if out is None:  # the modules' own forwards: a Linear swapped for another (FP8) counts
+            out = self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        out = self.dropout(out)
         return out if residual is None else residual + out
 
 
