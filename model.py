@@ -13,7 +13,7 @@ nanoGPT.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,51 +38,44 @@ _PRESETS = {
 }
 _ALIASES = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
 
-# The fast-path switches (loss_impl, mlp_impl, attn_impl; train.py's adamw_impl): "fast" or
-# "torch" (the plain PyTorch path, same math). The names each switch had before stay accepted.
+# The fast-path switches: "fast" or "torch" (the plain PyTorch path, the same math). They say how
+# a layer is computed, not what: a run may resume, or a checkpoint load, with other values.
 IMPLS = ("fast", "torch")
-_OLD_IMPL_NAMES = {"loss_impl": "fused", "mlp_impl": "cublaslt", "adamw_impl": "triton"}
+IMPL_KEYS = ("loss_impl", "mlp_impl", "attn_impl")
 
 
-def normalise_impl(key, value):
-    """A fast-path switch's value in today's vocabulary ("fused" for loss_impl -> "fast", ...)."""
-    old = _OLD_IMPL_NAMES.get(key)
-    if value == old:
-        return "fast"
-    if value not in IMPLS:
-        also = f" (or its old name {old!r})" if old else ""
-        raise ValueError(f"{key} must be 'fast' or 'torch'{also}, got {value!r}")
-    return value
+def setting(default, doc):
+    """A config field with its one-line meaning (what `python train.py --help` prints)."""
+    return field(default=default, metadata={"doc": doc})
 
 
 @dataclass
 class GPTConfig:
-    block_size: int = 1024
-    vocab_size: int = 50257  # real tokens; ids >= vocab_size are invalid
-    padded_vocab_size: int = 50304  # rows of wte / lm_head, a multiple of 64
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linears and LayerNorms, as GPT-2
-    loss_impl: str = "fast"  # "fast": fused_linear_cross_entropy; "torch": the reference
-    # Under autocast, keep the residual stream (and so its gradient) in the autocast dtype, as
-    # llm.c keeps it in bf16, instead of the fp32 that the fp32 embeddings make it (nanoGPT):
-    # half the bytes in every residual add and LayerNorm read. Matmuls, LayerNorm statistics and
-    # the loss are computed as before; no effect without autocast (bench/RESULTS.md §2b).
-    low_precision_residual: bool = True
-    # "fast": the MLP's GELU and its gradient run in cuBLASLt GEMM epilogues (fused_loss/mlp.py)
-    # where the matmuls run in bf16/fp16 on CUDA, the torch path elsewhere; "torch": F.linear +
-    # F.gelu everywhere. Same math (bench/RESULTS.md §2c).
-    mlp_impl: str = "fast"
-    # "fast": c_attn and the attention as one op whose backward lays out and sums the qkv
-    # gradient in one pass (fused_loss/attention.py), on Hopper GPUs in bf16/fp16, causal
-    # training and evaluation without dropout; the torch path elsewhere. "torch": nn.Linear +
-    # F.scaled_dot_product_attention everywhere. Same math (bench/RESULTS.md §2i).
-    attn_impl: str = "fast"
-    # logits become softcap * tanh(logits / softcap), in the loss and in what forward returns
-    # (Gemma 2, modded-nanogpt); 0: off
-    softcap: float = 0.0
+    """The model: GPT-2 124M by default. Every field is checked here, once."""
+
+    n_layer: int = setting(12, "transformer blocks")
+    n_head: int = setting(12, "attention heads")
+    n_embd: int = setting(768, "width of the residual stream")
+    block_size: int = setting(1024, "context length, also the training sequence length T")
+    vocab_size: int = setting(50257, "real tokens; ids >= vocab_size are invalid")
+    padded_vocab_size: int = setting(50304, "rows of wte / lm_head (a multiple of 64)")
+    dropout: float = setting(0.0, "dropout probability")
+    bias: bool = setting(True, "biases in Linears and LayerNorms, as GPT-2")
+    # (Gemma 2, modded-nanogpt) in the loss and in the logits forward returns
+    softcap: float = setting(0.0, "logits -> softcap * tanh(logits / softcap); 0: off")
+    # Under autocast the residual stream (and so its gradient) stays in the autocast dtype, as
+    # llm.c keeps it in bf16, instead of the fp32 that the fp32 embeddings make it (nanoGPT): half
+    # the bytes in every residual add and LayerNorm read. Matmuls, LayerNorm statistics and the
+    # loss are computed as before; no effect without autocast (bench/RESULTS.md#precision).
+    low_precision_residual: bool = setting(True, "residual stream in bf16 under autocast (llm.c)")
+    loss_impl: str = setting("fast", '"fast": fused linear+cross-entropy; "torch": full logits')
+    # the GELU and its gradient in cuBLASLt GEMM epilogues where the matmuls run in bf16/fp16 on
+    # CUDA, the torch path elsewhere (bench/RESULTS.md#mlp)
+    mlp_impl: str = setting("fast", '"fast": the GELU in cuBLASLt epilogues; "torch": F.gelu')
+    # c_attn and the attention as one op whose backward lays out and sums the qkv gradient in one
+    # pass, on Hopper in bf16/fp16 without dropout; the torch path elsewhere
+    # (bench/RESULTS.md#attention)
+    attn_impl: str = setting("fast", '"fast": c_attn + cuDNN attention, one op; "torch": F.sdpa')
 
     def __post_init__(self):
         if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.n_embd) < 1:
@@ -93,10 +86,9 @@ class GPTConfig:
             )
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        # old checkpoints say loss_impl="fused", mlp_impl="cublaslt"
-        self.loss_impl = normalise_impl("loss_impl", self.loss_impl)
-        self.mlp_impl = normalise_impl("mlp_impl", self.mlp_impl)
-        self.attn_impl = normalise_impl("attn_impl", self.attn_impl)
+        for key in IMPL_KEYS:
+            if getattr(self, key) not in IMPLS:
+                raise ValueError(f"{key} must be 'fast' or 'torch', got {getattr(self, key)!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not (math.isfinite(self.softcap) and self.softcap >= 0):

@@ -4,9 +4,10 @@
     python train.py configs/gpt2_124m_fineweb.py --batch_size=32 --resume
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m_fineweb.py
 
-Settings are the fields of `TrainConfig` (config.py); a config file (Python, run with runpy:
-`name = value` lines) sets some of them, then `--name=value` arguments override (parsed as Python
-literals). Checkpoints go to out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest one.
+Settings are the fields of `TrainConfig` (core/config.py) and of the model's `GPTConfig` nested in
+it; a config file (Python, run with runpy: `name = value` lines) sets some of them, then
+`--name=value` arguments override (parsed as Python literals). Checkpoints go to
+out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest one.
 """
 
 import contextlib
@@ -15,7 +16,7 @@ import glob
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,31 +33,26 @@ from core.checkpoint import (
     set_rng_state,
 )
 from core.compile_guard import check_training_step, compiled_loss_mismatch, compiler_settings
-from core.config import IMPL_KEYS, MODEL_KEYS, ConfigError, grad_accum_steps, help_text, load_config
+from core.config import ConfigError, TrainConfig, flat, grad_accum_steps, help_text, load_config
 from core.device import peak_flops, resolve_dtype
 from core.errors import run_main
 from core.model_io import checkpoint_settings
 from core.optim import get_lr
-from core.runlog import (
-    LogError,
-    RunLog,
-    StepLog,
-    StepStats,
-    StopFlag,
-    every,
-    git_sha,
-    triton_version,
-)
+from core.runlog import LogError, RunLog, StepLog, StepStats, git_sha, triton_version
+from core.signals import StopFlag
 from data import hellaswag, resolve_dataset
 from data.loader import DataLoader, iter_val_batches
 from data.shards import DataError, read_shard
 from data.tokenizer import EOT, get_tokenizer
-from model import GPT, GPTConfig
+from model import GPT, IMPL_KEYS
+
+__all__ = ["TrainConfig", "main"]  # scripts import TrainConfig from here
 
 # what --resume reads from a checkpoint (save() writes these and more)
 RESUME_KEYS = ("model", "model_config", "optimizer", "step", "loader", "rng")
 
-# errors the user can fix: one line on the command line (errors.py; GPT2_DEBUG=1 for a traceback)
+# errors the user can fix: one line on the command line (core/errors.py; GPT2_DEBUG=1 for a
+# traceback)
 USER_ERRORS = {
     ConfigError: "config error",
     DataError: "data error",
@@ -65,13 +61,40 @@ USER_ERRORS = {
 }
 
 
+@dataclass
+class Run:
+    """What the loop's helpers share, set up once by main()."""
+
+    cfg: TrainConfig
+    procs: distributed.Processes
+    raw_model: GPT  # the module itself: its state_dict has no compile/DDP prefixes
+    optimizer: torch.optim.Optimizer
+    loader: DataLoader
+    val_glob: str
+    dtype: torch.dtype  # of the matmuls: bf16 under autocast, else fp32
+    print0: callable
+    model: torch.nn.Module = None  # evaluates: compiled, or raw_model once a compiled graph failed
+    train_model: torch.nn.Module = None  # model, in DDP under torchrun
+
+    @property
+    def autocast(self):
+        # fp32 weights and optimizer state, bf16 matmuls under autocast
+        # (bench/RESULTS.md#precision)
+        bf16 = self.dtype == torch.bfloat16
+        return torch.autocast(self.procs.device.type, dtype=torch.bfloat16, enabled=bf16)
+
+
+def every(step, interval):
+    return interval > 0 and step % interval == 0
+
+
 def open_data(cfg, train_loader, procs):
     """(train_loader(...), train_glob, val_glob) for cfg.dataset; a problem with the data raises
     DataError naming the file. Checked here: every shard's header, the token ids of the val
     shards and of the train shard read first (the loader checks each other one when it opens
     it), and that a step fits in each shard. One process per node goes first: "embedded" is
     prepared on first use."""
-    B, T, rank, world_size = cfg.batch_size, cfg.block_size, procs.rank, procs.world_size
+    B, T, rank, world_size = cfg.batch_size, cfg.model.block_size, procs.rank, procs.world_size
     try:
         if procs.local_rank == 0:
             train_glob, val_glob = resolve_dataset(cfg.dataset)
@@ -92,10 +115,11 @@ def open_data(cfg, train_loader, procs):
     return loader, train_glob, val_glob
 
 
-def resume(cfg, path, ckpt, model_config, raw_model, optimizer, loader, procs, notes):
+def resume(run, path, ckpt, notes):
     """Load a checkpoint's weights, optimizer, data position and RNG; returns its step. Every
     model setting but the IMPL_KEYS (how a layer is computed) must match the checkpoint's."""
-    mine, saved = asdict(model_config), checkpoint_settings(ckpt["model_config"])
+    cfg, procs = run.cfg, run.procs
+    mine, saved = asdict(cfg.model), checkpoint_settings(ckpt["model_config"])
     keys = sorted((set(mine) | set(saved)) - set(IMPL_KEYS))
     differ = [k for k in keys if mine.get(k) != saved.get(k)]
     if differ:
@@ -104,8 +128,8 @@ def resume(cfg, path, ckpt, model_config, raw_model, optimizer, loader, procs, n
             f"model config differs from {path}'s in {differ}"
             + (f"; to resume it, pass {fix}" if fix else "")
         )
-    sharding.load_state(raw_model, optimizer, ckpt, cfg.shard)  # each rank keeps its part
-    note = loader.load_state_dict(ckpt["loader"])  # one position for all ranks, any W
+    sharding.load_state(run.raw_model, run.optimizer, ckpt, cfg.shard)  # each rank keeps its part
+    note = run.loader.load_state_dict(ckpt["loader"])  # one position for all ranks, any W
     step = ckpt["step"]
     notes.append(f"resumed from {path} at step {step}")
     if note:  # the checkpoint's data order is not the one cfg asks for; it continues
@@ -121,24 +145,20 @@ def resume(cfg, path, ckpt, model_config, raw_model, optimizer, loader, procs, n
     return step
 
 
-def evaluate(model, raw_model, cfg, val_glob, autocast, procs, print0):
-    """(mean val loss over cfg.val_tokens, the model to evaluate with next time). A compiled
-    model's (no-grad) graph is checked on the first batch against raw_model's; a wrong one is
-    replaced by raw_model for the rest of the run."""
+def evaluate(run, model):
+    """The mean val loss over cfg.val_tokens. A compiled model's (no-grad) graph is checked on the
+    first batch against raw_model's; a wrong one is replaced by raw_model (run.model) for the
+    rest of the run."""
+    cfg, procs, raw_model = run.cfg, run.procs, run.raw_model
     check = cfg.check_compile and model is not raw_model
     device = procs.device
     model.eval()
     total, count, eager = torch.zeros((), device=device), 0, None
+    B, T = cfg.batch_size, cfg.model.block_size
     batches = iter_val_batches(
-        val_glob,
-        cfg.batch_size,
-        cfg.block_size,
-        procs.rank,
-        procs.world_size,
-        max_tokens=cfg.val_tokens,
-        device=device,
+        run.val_glob, B, T, procs.rank, procs.world_size, cfg.val_tokens, device
     )
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), run.autocast:
         for x, y in batches:
             loss = model(x, y)  # eval mode: plain cross-entropy, comparable between runs
             if check and count == 0:  # raw_model is in eval mode with model
@@ -149,88 +169,91 @@ def evaluate(model, raw_model, cfg, val_glob, autocast, procs, print0):
     if eager is not None:
         wrong = compiled_loss_mismatch(first, eager, procs.ddp, "first validation batch")
         if wrong:
-            print0(f"warning: {wrong}; validation runs in eager mode from now on")
-            return evaluate(raw_model, raw_model, cfg, val_glob, autocast, procs, print0)
+            run.print0(f"warning: {wrong}; validation runs in eager mode from now on")
+            run.model = raw_model
+            return evaluate(run, raw_model)
     stats = torch.stack([total, torch.tensor(float(count), device=device)])
     if procs.ddp:
         dist.all_reduce(stats)  # every rank has the same number of batches
-    return (stats[0] / stats[1]).item(), model
+    return (stats[0] / stats[1]).item()
 
 
-def save(step, val_loss, cfg, raw_model, model_config, optimizer, loader, procs, print0):
+def save(run, step, val_loss):
     """Write a training checkpoint (rank 0), with every rank's RNG so that a resume restores
     all of them (dropout masks differ by rank)."""
+    cfg, procs = run.cfg, run.procs
     rngs = [rng_state(procs.device)]
     if procs.ddp:
         rngs = [None] * procs.world_size
         dist.all_gather_object(rngs, rng_state(procs.device))
-    model, state = sharding.full_state(raw_model, optimizer, cfg.shard, procs.master)
+    model, state = sharding.full_state(run.raw_model, run.optimizer, cfg.shard, procs.master)
     if not procs.master:
         return
     ckpt = {
         "model": model,
-        "model_config": asdict(model_config),
+        "model_config": asdict(cfg.model),
         "train_config": asdict(cfg),
         "optimizer": state,
         "step": step,
-        "loader": loader.state_dict(),  # the same on every rank
+        "loader": run.loader.state_dict(),  # the same on every rank
         "rng": {k: [r[k] for r in rngs] for k in rngs[0]},  # lists by rank
         "val_loss": val_loss,
     }
     t0 = time.perf_counter()
     path = save_checkpoint(ckpt, cfg.out_dir, step, cfg.keep_last)
     mb, dt = os.path.getsize(path) / 1e6, time.perf_counter() - t0
-    print0(f"saved {path} ({mb:,.1f} MB in {dt:.1f} s)")  # a stop's time is mostly this
+    run.print0(f"saved {path} ({mb:,.1f} MB in {dt:.1f} s)")  # a stop's time is mostly this
 
 
-def sample_text(raw_model, autocast, cfg, step):
+def sample_text(run, step):
     """Text generated after an EOT prompt, with its own generator so that sampling never moves
     the training RNG (a resumed run would diverge otherwise)."""
-    device = next(raw_model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(cfg.seed + step)
+    raw_model, device = run.raw_model, run.procs.device
+    gen = torch.Generator(device=device).manual_seed(run.cfg.seed + step)
     idx = torch.full((1, 1), EOT, dtype=torch.long, device=device)
     raw_model.eval()
-    with torch.no_grad(), autocast:
-        out = raw_model.generate(idx, cfg.sample_tokens, top_k=200, generator=gen)
+    with torch.no_grad(), run.autocast:
+        out = raw_model.generate(idx, run.cfg.sample_tokens, top_k=200, generator=gen)
     raw_model.train()
     return get_tokenizer().decode(out[0, 1:].tolist())
 
 
-def compile_and_wrap(raw_model, cfg, procs, use_compile):
-    """(model, train_model): the (compiled) model that evaluates, and the one that trains (in
-    DDP under torchrun). ddp_compile="ddp" compiles the DDP module: one module for both. Under
-    shard="full" raw_model is FSDP2's already (sharding.shard_model): no DDP."""
+def compile_and_wrap(run, use_compile):
+    """Set run.model, the (compiled) model that evaluates, and run.train_model, the one that
+    trains (in DDP under torchrun). ddp_compile="ddp" compiles the DDP module: one module for
+    both. Under shard="full" raw_model is FSDP2's already (sharding.shard_model): no DDP."""
+    cfg, procs, raw_model = run.cfg, run.procs, run.raw_model
+    compiled = functools.partial(torch.compile, mode=cfg.compile_mode)
     # gradients as views into DDP's all-reduce buckets: one copy of them, not two
     wrap = functools.partial(
         DDP,
         device_ids=[procs.device.index] if procs.device.type == "cuda" else None,
         gradient_as_bucket_view=True,
     )
-    if cfg.shard == "full":
-        model = torch.compile(raw_model, mode=cfg.compile_mode) if use_compile else raw_model
-        return model, model
-    if procs.ddp and use_compile and cfg.ddp_compile == "ddp":
-        model = torch.compile(wrap(raw_model), mode=cfg.compile_mode)
-        return model, model
-    model = torch.compile(raw_model, mode=cfg.compile_mode) if use_compile else raw_model
-    return model, wrap(model) if procs.ddp else model
+    if procs.ddp and use_compile and cfg.ddp_compile == "ddp" and cfg.shard != "full":
+        run.model = run.train_model = compiled(wrap(raw_model))
+        return
+    run.model = compiled(raw_model) if use_compile else raw_model
+    run.train_model = wrap(run.model) if procs.ddp and cfg.shard != "full" else run.model
 
 
-def print_start(cfg, procs, raw_model, dtype, use_compile, globs, grad_accum, notes, print0):
+def device_name(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def print_start(run, compile_mode, globs, tokens_per_step, notes):
     """The start-up report: enough to reproduce the run."""
-    world_size, T = procs.world_size, cfg.block_size
-    tokens_per_step = cfg.batch_size * T * world_size * grad_accum
-    device_name = name_of(procs.device)
-    print0("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in asdict(cfg).items()))
+    cfg, procs, print0 = run.cfg, run.procs, run.print0
+    world_size, T = procs.world_size, cfg.model.block_size
+    print0("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in flat(cfg).items()))
     print0(
         f"git {git_sha()} | torch {torch.__version__} | triton {triton_version()} | "
-        f"cuda {torch.version.cuda} | {device_name} x {world_size} | "
-        f"{str(dtype).removeprefix('torch.')} | "
-        f"compile {cfg.compile_mode if use_compile else False}"
+        f"cuda {torch.version.cuda} | {device_name(procs.device)} x {world_size} | "
+        f"{str(run.dtype).removeprefix('torch.')} | compile {compile_mode}"
     )
-    print0(
-        f"params {raw_model.num_params(non_embedding=False):,} | train {globs[0]} | val {globs[1]}"
-    )
+    params = run.raw_model.num_params(non_embedding=False)
+    print0(f"params {params:,} | train {globs[0]} | val {globs[1]}")
+    grad_accum = tokens_per_step // (cfg.batch_size * T * world_size)
     print0(
         f"tokens/step = batch_size {cfg.batch_size} x T {T} x world_size {world_size}"
         f" x grad_accum {grad_accum} = {tokens_per_step:,}; {cfg.max_steps} steps = "
@@ -240,33 +263,30 @@ def print_start(cfg, procs, raw_model, dtype, use_compile, globs, grad_accum, no
         print0(note)
 
 
-def name_of(device):
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def train_step(step, lr, models, optimizer, loader, cfg, procs, autocast, grad_accum, stop, check):
+def train_step(run, step, grad_accum, stop, check):
     """One optimizer step over grad_accum micro-batches; returns its StepStats (read later).
-    models: (train_model, raw_model). check: compare the first micro-batch's compiled loss with
-    eager mode's before the update (compile_guard)."""
-    train_model, raw_model = models
+    check: compare the first micro-batch's compiled loss with eager mode's before the update
+    (core/compile_guard.py)."""
+    cfg, procs, optimizer = run.cfg, run.procs, run.optimizer
     device, ddp = procs.device, procs.ddp
+    lr = get_lr(step, cfg)
     for group in optimizer.param_groups:
         group["lr"] = lr
     st = StepStats(device, step, lr)
     loss_sum = torch.zeros((), device=device)
     for micro in range(grad_accum):
         try:
-            x, y = loader.next_batch()
+            x, y = run.loader.next_batch()
         except DataError as e:  # a later shard's token ids, checked as it is opened
             note = f"stopped at step {step} without saving; {newest_note(cfg.out_dir)}"
             raise DataError(f"{e}; {note}") from e
         sync = not ddp or micro == grad_accum - 1  # reduce grads once per step
         checking = check and micro == 0
         if checking:  # eager first: no activations held yet
-            with torch.no_grad(), autocast:
-                eager_loss = raw_model(x, y)
-        with sharding.micro_step(train_model, raw_model, cfg.shard, sync), autocast:
-            loss = train_model(x, y) / grad_accum
+            with torch.no_grad(), run.autocast:
+                eager_loss = run.raw_model(x, y)
+        with sharding.micro_step(run.train_model, run.raw_model, cfg.shard, sync), run.autocast:
+            loss = run.train_model(x, y) / grad_accum
         if checking:
             first_loss = loss.detach() * grad_accum
         loss.backward()
@@ -274,7 +294,7 @@ def train_step(step, lr, models, optimizer, loader, cfg, procs, autocast, grad_a
     if check:  # before the update: a wrong graph must not touch the weights
         check_training_step(first_loss, eager_loss, ddp, step)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    norm = sharding.step(optimizer, raw_model, cfg.shard, max_norm)
+    norm = sharding.step(optimizer, run.raw_model, cfg.shard, max_norm)
     optimizer.zero_grad(set_to_none=True)
     # torch.full, not torch.tensor: a host-to-device copy of a Python number would sync
     stats = torch.stack([loss_sum, torch.full((), float(stop.requested), device=device)])
@@ -282,6 +302,27 @@ def train_step(step, lr, models, optimizer, loader, cfg, procs, autocast, grad_a
         dist.all_reduce(stats)  # loss summed over ranks; a stop on any rank stops all
     st.finish(torch.cat([stats, norm.reshape(1).to(stats.dtype)]))
     return st
+
+
+def evaluate_and_log(run, step, run_log):
+    """Validation (and HellaSwag when asked) at `step`: printed, logged, and returned."""
+    cfg, procs = run.cfg, run.procs
+    val_loss = evaluate(run, run.model)
+    rec, msg = {"step": step, "val_loss": val_loss}, f"val loss {val_loss:.6f}"
+    if cfg.hellaswag:  # raw_model: varying row lengths would recompile a compiled one
+        hs = hellaswag.evaluate(
+            run.raw_model,
+            cfg.hellaswag_path or str(hellaswag.DEFAULT_PATH),
+            procs.device,
+            procs.rank,
+            procs.world_size,
+            autocast_dtype=torch.bfloat16 if run.dtype == torch.bfloat16 else None,
+        )
+        rec["hellaswag_acc_norm"] = hs["acc_norm"]
+        msg += f" | hellaswag acc_norm {hs['acc_norm']:.4f}"
+    run.print0(f"step {step:6d}/{cfg.max_steps} | {msg}")
+    run_log.write(rec)
+    return val_loss
 
 
 def main(argv=None, train_loader=DataLoader):
@@ -296,21 +337,17 @@ def main(argv=None, train_loader=DataLoader):
         procs = distributed.setup(cfg.device)
     except ValueError as e:
         raise ConfigError(f"config key 'device': {e}") from None
-    device, ddp, rank, world_size = procs.device, procs.ddp, procs.rank, procs.world_size
+    device, rank, world_size = procs.device, procs.rank, procs.world_size
     print0 = distributed.printer(procs)
     run_log, stop, finished = RunLog(), StopFlag(), False
     compile_settings = contextlib.ExitStack()  # Inductor's global settings, for this run only
     try:
         notes = sharding.check(cfg, procs)  # a combination that does not run stops here
         # --- set-up: data, model, optimizer, the newest checkpoint when resuming
-        T = cfg.block_size
+        T = cfg.model.block_size
         grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
         dtype = resolve_dtype(cfg.dtype, device)
         use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
-        # fp32 weights and optimizer state, bf16 matmuls under autocast (bench/RESULTS.md §4)
-        autocast = torch.autocast(
-            device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16
-        )
         torch.manual_seed(cfg.seed + rank)  # per rank, so dropout masks differ across ranks
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -320,15 +357,12 @@ def main(argv=None, train_loader=DataLoader):
             raise ConfigError(
                 f"hellaswag=True but {hs_path} is missing: run python -m data.hellaswag download"
             )
-        try:
-            model_config = GPTConfig(**{k: getattr(cfg, k) for k in MODEL_KEYS})
-        except ValueError as e:
-            raise ConfigError(f"model settings: {e}") from None
         with torch.device(device):  # initialised where it runs: 1558M on a CPU takes seconds
-            raw_model = GPT(model_config)
+            raw_model = GPT(cfg.model)
         raw_model.z_loss = cfg.z_loss  # in training-mode losses only: val stays plain CE
         sharding.shard_model(raw_model, cfg.shard)  # FSDP2 under shard="full", in place
         optimizer = sharding.make_optimizer(raw_model, cfg, device)
+        run = Run(cfg, procs, raw_model, optimizer, loader, val_glob, dtype, print0)
         start_step, ckpts = 0, list_checkpoints(cfg.out_dir)
         if train_loader is not DataLoader:
             notes.append(f"train batches from {train_loader.__name__}, not data.loader.DataLoader")
@@ -338,12 +372,11 @@ def main(argv=None, train_loader=DataLoader):
                 "pass --resume to continue, or choose another out_dir"
             )
         if cfg.resume:  # the newest that loads; newer damaged ones are set aside with a warning
-            path, ckpt = load_for_resume(cfg.out_dir, RESUME_KEYS, print0, ddp, rank)
+            path, ckpt = load_for_resume(cfg.out_dir, RESUME_KEYS, print0, procs.ddp, rank)
             if ckpt is None:
                 notes.append(f"--resume: no checkpoint in {cfg.out_dir!r}, starting at step 0")
             else:
-                args = (model_config, raw_model, optimizer, loader, procs, notes)
-                start_step = resume(cfg, path, ckpt, *args)
+                start_step = resume(run, path, ckpt, notes)
                 del ckpt
                 if start_step >= cfg.max_steps:
                     print0(
@@ -355,70 +388,28 @@ def main(argv=None, train_loader=DataLoader):
                     return
         if use_compile:  # compilation is lazy (first step, first eval): patched until the end
             compile_settings.enter_context(compiler_settings(cfg))
-        model, train_model = compile_and_wrap(raw_model, cfg, procs, use_compile)
-        eval_model = model  # raw_model instead once a compiled eval graph was found wrong
+        compile_and_wrap(run, use_compile)
 
         tokens_per_step = cfg.batch_size * T * world_size * grad_accum
         flops_per_step = raw_model.flops_per_token() * tokens_per_step
-        peak = peak_flops(name_of(device)) if dtype == torch.bfloat16 else None
+        peak = peak_flops(device_name(device)) if dtype == torch.bfloat16 else None
         if procs.master:
-            globs = (train_glob, val_glob)
-            args = (raw_model, dtype, use_compile, globs, grad_accum, notes, print0)
-            print_start(cfg, procs, *args)
+            compile_mode = cfg.compile_mode if use_compile else False
+            print_start(run, compile_mode, (train_glob, val_glob), tokens_per_step, notes)
             run_log.open(cfg, start_step, ConfigError)
-        steps = StepLog(run_log, print0, cfg, world_size, tokens_per_step, flops_per_step, peak)
-
-        # --- the loop (llm.c's): eval, samples, checkpoints at the top, so they follow the last
-        # step too. stop_all: stop after this step. A process reads its own flag; under DDP the
-        # ranks agree through the flag in each step's all-reduce, read one step late
-        stop.install()
-        stop_all, val_loss = False, None
-        check_training = use_compile and cfg.check_compile and cfg.dropout == 0.0
-        check_now = check_training  # the first step, then the step after each evaluation
+        meter = dict(tokens=tokens_per_step, flops=flops_per_step, peak=peak)
+        steps = StepLog(run_log, print0, cfg, world_size=world_size, **meter)
+        check_training = use_compile and cfg.check_compile and cfg.model.dropout == 0.0
         if use_compile and cfg.check_compile and not check_training:
             print0("check_compile: skipped, dropout > 0 makes eager and compiled losses differ")
-        for step in range(start_step, cfg.max_steps + 1):
-            last_step = step == cfg.max_steps
-            stop_all = stop_all or (stop.requested and not ddp)
-            fresh = step > start_step or start_step == 0  # a resumed run did its first top
-            intervals = (cfg.eval_interval, cfg.sample_interval, cfg.ckpt_interval)
-            # the same on every rank: all of them read the same steps at the same points
-            if last_step or stop_all or any(every(step, k) for k in intervals):
-                stop_all = steps.flush() or stop_all  # before any eval or checkpoint
-            if fresh and (last_step or every(step, cfg.eval_interval)):
-                val_loss, eval_model = evaluate(
-                    eval_model, raw_model, cfg, val_glob, autocast, procs, print0
-                )
-                rec, msg = {"step": step, "val_loss": val_loss}, f"val loss {val_loss:.6f}"
-                if cfg.hellaswag:  # raw_model: varying row lengths would recompile a compiled one
-                    hs_dtype = torch.bfloat16 if dtype == torch.bfloat16 else None
-                    hs = hellaswag.evaluate(
-                        raw_model, hs_path, device, rank, world_size, autocast_dtype=hs_dtype
-                    )
-                    rec["hellaswag_acc_norm"] = hs["acc_norm"]
-                    msg += f" | hellaswag acc_norm {hs['acc_norm']:.4f}"
-                print0(f"step {step:6d}/{cfg.max_steps} | {msg}")
-                run_log.write(rec)
-                check_now = check_training
-            sample = every(step, cfg.sample_interval) and cfg.shard != "full"
-            if procs.master and fresh and step > 0 and sample:
-                print0(f"sample at step {step}: {sample_text(raw_model, autocast, cfg, step)!r}")
-            if fresh and step > 0 and (last_step or stop_all or every(step, cfg.ckpt_interval)):
-                parts = (cfg, raw_model, model_config, optimizer, loader, procs, print0)
-                save(step, val_loss, *parts)
-            if last_step or stop_all:
-                break
-
-            models, parts = (train_model, raw_model), (cfg, procs, autocast, grad_accum, stop)
-            st = train_step(step, get_lr(step, cfg), models, optimizer, loader, *parts, check_now)
-            check_now = False
-            stop_all = steps.push(st) or stop_all  # this step is queued: read the previous one
+        stop.install()
+        loop(run, start_step, grad_accum, stop, steps, run_log, check_training)
 
         # --- teardown
         sharding.report_state(optimizer, procs, print0)
         if device.type == "cuda":
             gib = torch.cuda.max_memory_allocated(device) / 2**30
-            print0(f"peak GPU memory allocated: {gib:.2f} GiB" + (" (rank 0)" if ddp else ""))
+            print0(f"peak GPU memory allocated: {gib:.2f} GiB" + (" (rank 0)" if procs.ddp else ""))
         finished = True
     except torch.OutOfMemoryError as e:
         raise torch.OutOfMemoryError(
@@ -431,6 +422,36 @@ def main(argv=None, train_loader=DataLoader):
         run_log.close()
         # under DDP every rank is done, rank 0's last checkpoint included, before the group goes
         distributed.teardown(procs, finished)
+
+
+def loop(run, start_step, grad_accum, stop, steps, run_log, check_training):
+    """llm.c's loop: evaluation, samples and checkpoints at the top of an iteration, so that they
+    follow the last step too. stop_all: stop after this step. A process reads its own flag; under
+    DDP the ranks agree through the flag in each step's all-reduce, read one step late."""
+    cfg, procs = run.cfg, run.procs
+    stop_all, val_loss = False, None
+    check_now = check_training  # the first step, then the step after each evaluation
+    for step in range(start_step, cfg.max_steps + 1):
+        last_step = step == cfg.max_steps
+        stop_all = stop_all or (stop.requested and not procs.ddp)
+        fresh = step > start_step or start_step == 0  # a resumed run did its first top
+        intervals = (cfg.eval_interval, cfg.sample_interval, cfg.ckpt_interval)
+        # the same on every rank: all of them read the same steps at the same points
+        if last_step or stop_all or any(every(step, k) for k in intervals):
+            stop_all = steps.flush() or stop_all  # before any eval or checkpoint
+        if fresh and (last_step or every(step, cfg.eval_interval)):
+            val_loss = evaluate_and_log(run, step, run_log)
+            check_now = check_training
+        sample = every(step, cfg.sample_interval) and cfg.shard != "full"
+        if procs.master and fresh and step > 0 and sample:
+            run.print0(f"sample at step {step}: {sample_text(run, step)!r}")
+        if fresh and step > 0 and (last_step or stop_all or every(step, cfg.ckpt_interval)):
+            save(run, step, val_loss)
+        if last_step or stop_all:
+            break
+        st = train_step(run, step, grad_accum, stop, check_now)
+        check_now = False
+        stop_all = steps.push(st) or stop_all  # this step is queued: read the previous one
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ the plain one, or other loss implementations and train.py arguments.
 
 --impls names configurations (IMPLS): "default" (train.py's defaults), "plain" (every fast path
 off: materialised logits, torch MLP, torch's fused AdamW, fp32 residual stream; the stand-in for
-nanoGPT's path), "fused" / "torch" (only the loss switched). --repeats runs every (run, impl)
+nanoGPT's path), "torch" (only the loss switched to torch's). --repeats runs every (run, impl)
 that many times, interleaved, and the table gives the median, with each impl's ratio to "plain"
 when both ran. A run is model:batch, or model:batch:steps:warmup to override --steps/--warmup.
 
@@ -48,8 +48,7 @@ from data.shards import write_shard  # noqa: E402
 PRESETS = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
 PLAIN = ["--loss_impl='torch'", "--mlp_impl='torch'", "--attn_impl='torch'", "--adamw_impl='torch'"]
 PLAIN += ["--low_precision_residual=False"]
-IMPLS = {"default": [], "plain": PLAIN, "fused": ["--loss_impl='fused'"]}
-IMPLS["torch"] = ["--loss_impl='torch'"]
+IMPLS = {"default": [], "plain": PLAIN, "torch": ["--loss_impl='torch'"]}
 
 # Runs inside the child: train, then report peak memory (and the profile when asked).
 CHILD = r"""

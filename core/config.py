@@ -1,8 +1,11 @@
 """The run's settings: `TrainConfig`, its parser (config files and --key=value) and its checks.
 
-A config file is Python run with runpy (`name = value` lines); `--name=value` arguments override
-it and are parsed as Python literals. Unknown keys and wrong types fail loudly (ConfigError).
-Each field's one-line meaning lives in its metadata and is what `python train.py --help` prints.
+TrainConfig nests the model's own config (model.GPTConfig) as `cfg.model`; each field is declared
+and checked once, in its dataclass. A config file is Python run with runpy (`name = value` lines);
+`--name=value` arguments override it and are parsed as Python literals. Both name the fields of
+either dataclass without a prefix (`n_layer = 12`, `--learning_rate=6e-4`), and `model` takes a
+GPT-2 preset name (`--model=gpt2`). Unknown keys and wrong types fail loudly (ConfigError). Each
+field's one-line meaning lives in its metadata and is what `python train.py --help` prints.
 """
 
 import ast
@@ -13,19 +16,19 @@ import runpy
 import traceback
 import types
 import typing
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from core.compile_guard import BUFFER_REUSE, COMPILE_MODES
-from model import GPTConfig, normalise_impl
+from model import IMPLS, GPTConfig, setting
 
 
 class ConfigError(ValueError):
     pass
 
 
-def setting(default, doc):
-    """A TrainConfig field with its one-line meaning (shown by --help)."""
-    return field(default=default, metadata={"doc": doc})
+def small_model():
+    """The default run's model: 4 layers, 128 wide, 128 tokens of context (7.2M parameters)."""
+    return GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128)
 
 
 @dataclass
@@ -36,23 +39,10 @@ class TrainConfig:
     # data
     dataset: str = setting("embedded", '"embedded" (small text in the repo) or a dir of shards')
     shuffle: bool = setting(True, "new order of training windows each epoch, from seed")
-    # model: a preset sets the shape fields below unless they are given explicitly too
-    model: str = setting("", 'preset "gpt2"/"124M" ... "gpt2-xl"; "" keeps the fields below')
-    n_layer: int = setting(4, "transformer blocks")
-    n_head: int = setting(4, "attention heads")
-    n_embd: int = setting(128, "width of the residual stream")
-    block_size: int = setting(128, "context length, also the training sequence length T")
-    vocab_size: int = setting(50257, "real tokens")
-    padded_vocab_size: int = setting(50304, "rows of wte / lm_head (a multiple of 64)")
-    dropout: float = setting(0.0, "dropout probability")
-    bias: bool = setting(True, "biases in Linears and LayerNorms, as GPT-2")
-    softcap: float = setting(0.0, "logits -> softcap * tanh(logits / softcap); 0: off (Gemma 2)")
-    # fast paths: "fast" or "torch" (the plain PyTorch path); both compute the same math
-    loss_impl: str = setting("fast", '"fast": fused linear+cross-entropy; "torch": full logits')
-    mlp_impl: str = setting("fast", '"fast": the GELU in cuBLASLt epilogues; "torch": F.gelu')
-    attn_impl: str = setting("fast", '"fast": c_attn + cuDNN attention, one op; "torch": F.sdpa')
+    # the model (model.GPTConfig); "model = NAME" in a config file or --model=NAME starts it from a
+    # GPT-2 preset, and its other fields (n_layer, softcap, loss_impl, ...) override that
+    model: GPTConfig = field(default_factory=small_model)
     adamw_impl: str = setting("fast", '"fast": one Triton launch (CUDA fp32); "torch": torch.optim')
-    low_precision_residual: bool = setting(True, "residual stream in bf16 under autocast (llm.c)")
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
     batch_size: int = setting(8, "micro-batch size per process (sequences)")
     total_batch_size: int = setting(1024, "tokens per optimizer step over all processes")
@@ -77,7 +67,7 @@ class TrainConfig:
     # checkpoints and logs
     out_dir: str = setting("out", "checkpoints and log.jsonl go here")
     ckpt_interval: int = setting(100, "steps between checkpoints (0: only at the end)")
-    keep_last: int = setting(1, "checkpoints kept, the newest (0: all)")
+    keep_last: int = setting(2, "checkpoints kept, the newest (0: all; 1: no fallback)")
     resume: bool = setting(False, "continue from the newest checkpoint in out_dir")
     wandb: bool = setting(False, "log to Weights & Biases")
     wandb_project: str = setting("gpt2", "W&B project")
@@ -107,20 +97,37 @@ class TrainConfig:
     seed: int = setting(1337, "seed of the init, dropout and data order")
 
 
-# TrainConfig fields that a preset sets, and all those that make up the GPTConfig
-PRESET_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padded_vocab_size")
-MODEL_KEYS = PRESET_KEYS + ("dropout", "bias", "low_precision_residual", "softcap")
-# how a layer is computed, not what: a run may resume with other values (e.g. "torch" where
-# cuBLASLt is missing); every other model key must match the checkpoint's
-IMPL_KEYS = ("loss_impl", "mlp_impl", "attn_impl")
-MODEL_KEYS += IMPL_KEYS
+PRESET_NAME = "model"  # the key that names a preset instead of a field
+
+
+def setting_types():
+    """{name: type} of every setting: TrainConfig's, the model's in place of `model`, and `model`
+    itself as a preset name."""
+    own = {f.name: f.type for f in dataclasses.fields(TrainConfig) if f.name != PRESET_NAME}
+    return own | {f.name: f.type for f in dataclasses.fields(GPTConfig)} | {PRESET_NAME: str}
+
+
+def flat(cfg):
+    """cfg as one {name: value} dict, the model's fields in place of `model` (for printing and
+    logging; checkpoints keep the nested asdict)."""
+    values = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        values.update(asdict(value) if f.name == PRESET_NAME else {f.name: value})
+    return values
 
 
 def help_text(doc):
     """`doc` (the script's docstring) and one line per setting: --name=default  meaning."""
-    rows = [
-        (f"--{f.name}={f.default!r}", f.metadata["doc"]) for f in dataclasses.fields(TrainConfig)
-    ]
+    default_model = small_model()
+    rows = []
+    for f in dataclasses.fields(TrainConfig):
+        if f.name != PRESET_NAME:
+            rows.append((f"--{f.name}={f.default!r}", f.metadata["doc"]))
+            continue
+        rows.append((f"--{f.name}=NAME", 'a GPT-2 preset ("gpt2"/"124M" ... "gpt2-xl"), or:'))
+        for g in dataclasses.fields(GPTConfig):
+            rows.append((f"  --{g.name}={getattr(default_model, g.name)!r}", g.metadata["doc"]))
     width = max(len(flag) for flag, _ in rows)
     lines = "\n".join(f"  {flag:<{width}}  {meaning}" for flag, meaning in rows)
     return f"{doc}\nSettings (--name=default  meaning):\n{lines}"
@@ -169,7 +176,7 @@ def run_config_file(path):
 
 def load_config(argv):
     """argv: [config.py ...] [--key=value | --flag ...] -> TrainConfig."""
-    fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    fields = setting_types()
     overrides = {}
     for arg in argv:
         if arg.startswith("--"):
@@ -194,27 +201,22 @@ def load_config(argv):
                 overrides[key] = _check_type(key, value, fields[key])
         else:
             raise ConfigError(f"unexpected argument {arg!r}: expected a config .py or --key=value")
-    values = {}
-    if overrides.get("model"):
-        try:
-            preset = asdict(GPTConfig.from_preset(overrides["model"]))
-        except ValueError as e:
-            raise ConfigError(f"config key 'model': {e}") from None
-        values.update({k: preset[k] for k in PRESET_KEYS})
-    values.update(overrides)
-    cfg = TrainConfig(**values)
-    # old names ("fused", ...) still accepted
-    for key in ("loss_impl", "mlp_impl", "attn_impl", "adamw_impl"):
-        try:
-            setattr(cfg, key, normalise_impl(key, getattr(cfg, key)))
-        except ValueError as e:
-            raise ConfigError(f"config key {key!r}: {e}") from None
+    model_keys = {f.name for f in dataclasses.fields(GPTConfig)}
+    model = {k: v for k, v in overrides.items() if k in model_keys}
+    train = {k: v for k, v in overrides.items() if k not in model_keys and k != PRESET_NAME}
+    try:  # the model's own checks
+        preset = overrides.get(PRESET_NAME)
+        base = GPTConfig.from_preset(preset) if preset else small_model()
+        model = replace(base, **model)
+    except ValueError as e:
+        raise ConfigError(f"model settings: {e}") from None
+    cfg = TrainConfig(model=model, **train)
     _check_ranges(cfg)
     return cfg
 
 
 def _check_ranges(cfg):
-    positive = ("batch_size", "block_size", "total_batch_size", "learning_rate", "val_tokens")
+    positive = ("batch_size", "total_batch_size", "learning_rate", "val_tokens")
     non_negative = (
         "max_steps",
         "warmup_steps",
@@ -243,7 +245,9 @@ def _check_ranges(cfg):
             "config key 'activation_memory_budget' must be in (0, 1], "
             f"got {cfg.activation_memory_budget!r}"
         )
-    if cfg.activation_memory_budget < 1.0 and cfg.dropout > 0.0:
+    if cfg.adamw_impl not in IMPLS:
+        raise ConfigError(f"config key 'adamw_impl': 'fast' or 'torch', not {cfg.adamw_impl!r}")
+    if cfg.activation_memory_budget < 1.0 and cfg.model.dropout > 0.0:
         raise ConfigError(
             "activation_memory_budget < 1 with dropout > 0: the compiled backward may recompute "
             "dropout with a fresh mask and silently get wrong gradients (pytorch issue #190758); "

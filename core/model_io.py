@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from core.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
-from model import GPT, GPTConfig
+from model import GPT, IMPL_KEYS, GPTConfig
 
 # Settings added after checkpoints were first written, with the value those older checkpoints
 # were trained with (where it is not the current default); checkpoint_settings applies them.
@@ -19,10 +19,11 @@ PREDATED = {"low_precision_residual": False}
 
 def checkpoint_settings(saved):
     """A checkpoint's model_config completed: a key it predates takes the value it was trained
-    with (PREDATED), else the default. Keys GPTConfig does not know are kept for the caller to
-    name."""
+    with (PREDATED), else the default. The fast-path switches (IMPL_KEYS) say how the run that
+    wrote it computed, not what the model is: they take today's defaults. Keys GPTConfig does
+    not know are kept for the caller to name."""
     defaults = {f.name: f.default for f in fields(GPTConfig)}
-    return defaults | PREDATED | saved
+    return defaults | PREDATED | {k: v for k, v in saved.items() if k not in IMPL_KEYS}
 
 
 def from_checkpoint(path, map_location="cpu"):

@@ -1,55 +1,16 @@
-"""The training loop's bookkeeping: signals, per-step stats read one step late, the run's log."""
+"""The run's record: per-step stats read one step late, out_dir/log.jsonl and W&B, and what the
+start-up report names (git SHA, Triton version)."""
 
 import json
 import math
 import os
-import signal
 import subprocess
-import sys
 import time
 
 import torch
 
 from core.checkpoint import newest_note
-
-
-def every(step, interval):
-    return interval > 0 and step % interval == 0
-
-
-class StopFlag:
-    """SIGTERM/SIGINT set a flag: the loop finishes its step, saves and exits (under DDP after one
-    or two more steps: the ranks agree through the flag in each step's all-reduce, read one step
-    late). A second Ctrl-C kills at once; repeated SIGTERMs (a launcher forwarding one) only set
-    the flag again. install() and restore() put it in place and take it out."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.requested = False
-        self.seen = set()
-        self.old = {}
-
-    def install(self):
-        self.old = {s: signal.signal(s, self) for s in self.SIGNALS}
-        return self
-
-    def restore(self):
-        for s, h in self.old.items():
-            signal.signal(s, h)
-        self.old = {}
-
-    def __call__(self, signum, frame):
-        if signum == signal.SIGINT and signum in self.seen:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        self.requested = True
-        self.seen.add(signum)
-        msg = f"signal {signum}: finishing this step, saving a checkpoint, exiting\n"
-        try:  # os.write, not print: the handler may have interrupted a print (not re-entrant)
-            os.write(sys.stdout.fileno(), msg.encode())
-        except OSError:  # a closed stdout: the stop goes on without the message
-            pass
+from core.config import flat
 
 
 class StepStats:
@@ -106,7 +67,7 @@ class StepLog:
     flush() reads the last one now (before an eval or checkpoint, which may stop the run). Both
     return whether any rank asked to stop. A non-finite loss or norm stops the run."""
 
-    def __init__(self, run_log, print0, cfg, world_size, tokens, flops, peak):
+    def __init__(self, run_log, print0, cfg, *, world_size, tokens, flops, peak):
         self.run_log, self.print0 = run_log, print0
         self.max_steps, self.out_dir, self.world_size = cfg.max_steps, cfg.out_dir, world_size
         self.tokens, self.flops, self.peak = tokens, flops, peak  # per step; peak FLOP/s or None
@@ -186,7 +147,8 @@ class RunLog:
             except ImportError as e:
                 raise config_error("wandb=True needs wandb: pip install wandb") from e
             name = cfg.wandb_run_name or None
-            self.wandb_run = wandb.init(project=cfg.wandb_project, name=name, config=vars(cfg))
+            settings = flat(cfg)
+            self.wandb_run = wandb.init(project=cfg.wandb_project, name=name, config=settings)
 
     def write(self, rec):
         if self.file is not None:

@@ -19,7 +19,7 @@ import throughput  # noqa: E402
 import torch  # noqa: E402
 
 
-def run(model, batch, loss_first, rc=0, impl="fused"):
+def run(model, batch, loss_first, rc=0, impl="default"):
     return dict(model=model, batch=batch, impl=impl, rc=rc, loss_first=loss_first)
 
 
@@ -27,7 +27,7 @@ def test_first_loss_outliers_flags_only_the_odd_run_within_its_group():
     runs = [
         run("1558M", 16, 11.14596),
         run("1558M", 16, 11.14593, impl="torch"),
-        run("1558M", 16, 11.11713),  # the faulty compiled graph of run 22
+        run("1558M", 16, 11.11713),  # a wrongly compiled graph
         run("124M", 32, 10.97365),
         run("124M", 64, 10.95012),  # another batch: other tokens, another first loss
         run("124M", 32, 99.0, rc=1),  # failed runs have no loss to compare

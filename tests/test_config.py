@@ -10,10 +10,11 @@ import torch
 
 import train
 from core import checkpoint, optim
-from core.config import MODEL_KEYS, ConfigError, TrainConfig, grad_accum_steps, load_config
+from core.config import ConfigError, TrainConfig, flat, grad_accum_steps, load_config
 from core.device import peak_flops
 from core.errors import run_main
 from core.optim import get_lr
+from model import GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,7 +26,7 @@ def test_no_arguments_give_the_dataclass_defaults():
 def test_help_lists_every_setting(capsys):
     train.main(["--help"])
     text = capsys.readouterr().out
-    assert "torchrun" in text and all(f"--{k}=" in text for k in vars(TrainConfig()))
+    assert "torchrun" in text and all(f"--{k}=" in text for k in flat(TrainConfig()))
 
 
 def test_file_then_cli_overrides(tmp_path):
@@ -49,11 +50,17 @@ def test_file_then_cli_overrides(tmp_path):
     assert load_config(["--wandb_run_name='a b'"]).wandb_run_name == "a b"
 
 
-def test_preset_sets_shape_and_explicit_keys_win():
+def test_preset_sets_shape_and_explicit_keys_win(tmp_path):
     cfg = load_config(["--model=gpt2-medium"])
-    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (24, 16, 1024, 1024)
-    cfg = load_config(["--model=124M", "--n_layer=2", "--block_size=64"])
-    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (2, 12, 768, 64)
+    assert cfg.model == GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024)
+    cfg = load_config(["--model=124M", "--n_layer=2", "--block_size=64", "--max_steps=5"])
+    assert cfg.model == GPTConfig(n_layer=2, n_head=12, n_embd=768, block_size=64)
+    assert cfg.max_steps == 5
+    # in a config file too, in any order: the preset first, then the fields given
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text('softcap = 30\nmodel = "gpt2-xl"\n')
+    cfg = load_config([str(cfg_file), "--n_head=20"])
+    assert cfg.model == GPTConfig(n_layer=48, n_head=20, n_embd=1600, softcap=30.0)
 
 
 @pytest.mark.parametrize(
@@ -93,9 +100,9 @@ def test_softcap_is_a_model_setting_and_z_loss_a_training_one():
     """softcap changes what the model computes: it goes to GPTConfig and is saved and checked on
     resume; z_loss only changes the training objective."""
     cfg = load_config(["--softcap=30", "--z_loss=1e-4"])
-    assert (cfg.softcap, cfg.z_loss) == (30.0, 1e-4) and isinstance(cfg.softcap, float)
-    assert "softcap" in MODEL_KEYS and "z_loss" not in MODEL_KEYS
-    assert (TrainConfig().softcap, TrainConfig().z_loss) == (0.0, 0.0)  # both off
+    assert (cfg.model.softcap, cfg.z_loss) == (30.0, 1e-4) and isinstance(cfg.model.softcap, float)
+    assert not hasattr(cfg, "softcap") and not hasattr(cfg.model, "z_loss")
+    assert (TrainConfig().model.softcap, TrainConfig().z_loss) == (0.0, 0.0)  # both off
 
 
 def test_bad_config_files(tmp_path):
@@ -168,7 +175,7 @@ def test_peak_flops_lookup():
 def test_shipped_configs_load_and_divide(path):
     cfg = load_config([path])
     for world_size in (1, 8):
-        grad_accum_steps(cfg.total_batch_size, cfg.batch_size, cfg.block_size, world_size)
+        grad_accum_steps(cfg.total_batch_size, cfg.batch_size, cfg.model.block_size, world_size)
     assert cfg.warmup_steps < cfg.max_steps
 
 
@@ -177,17 +184,18 @@ def test_recipes_match_llmc():
         return load_config([os.path.join(REPO, "configs", name)])
 
     c = load("gpt2_124m_fineweb.py")
-    assert (c.n_layer, c.n_embd, c.total_batch_size, c.learning_rate) == (12, 768, 524288, 6e-4)
+    assert (c.model.n_layer, c.model.n_embd) == (12, 768)
+    assert (c.total_batch_size, c.learning_rate) == (524288, 6e-4)
     assert (c.warmup_steps, c.weight_decay, c.final_lr_frac) == (700, 0.1, 0.0)
     assert 9.8e9 < c.max_steps * c.total_batch_size < 10.1e9
     c = load("gpt2_350m_fineweb.py")
-    assert (c.n_layer, c.n_embd, c.learning_rate) == (24, 1024, 3e-4)
+    assert (c.model.n_layer, c.model.n_embd, c.learning_rate) == (24, 1024, 3e-4)
     assert round(c.max_steps * c.total_batch_size / 1e9, 1) == 31.5
     c = load("gpt2_774m_fineweb.py")
-    assert (c.n_layer, c.n_embd, c.learning_rate) == (36, 1280, 2.5e-4)
+    assert (c.model.n_layer, c.model.n_embd, c.learning_rate) == (36, 1280, 2.5e-4)
     assert round(c.max_steps * c.total_batch_size / 1e9) == 150
     c = load("gpt2_1558m_fineweb_edu.py")
-    assert (c.n_layer, c.n_embd, c.total_batch_size) == (48, 1600, 1048576)
+    assert (c.model.n_layer, c.model.n_embd, c.total_batch_size) == (48, 1600, 1048576)
     assert (c.learning_rate, c.final_lr_frac) == (6e-4, 0.1)
     assert round(c.max_steps * c.total_batch_size / 1e9, 1) == 33.6  # 32000 x 2**20
 

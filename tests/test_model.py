@@ -83,7 +83,7 @@ def test_init_is_seeded_and_gpt2_like():
 # ---------------------------------------------------------------- forward and loss
 
 
-@pytest.mark.parametrize("loss_impl", ["fused", "torch"])
+@pytest.mark.parametrize("loss_impl", ["fast", "torch"])
 def test_loss_equals_cross_entropy_of_unpadded_logits(loss_impl):
     vocab = 100  # small: the fused path runs in the Triton interpreter on CPU
     model = tiny(loss_impl=loss_impl, vocab_size=vocab, padded_vocab_size=128)
@@ -107,7 +107,7 @@ def test_loss_equals_cross_entropy_of_unpadded_logits(loss_impl):
     torch.testing.assert_close(last, logits[:, -1:], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("loss_impl,vocab", [("torch", V), ("fused", 100)])
+@pytest.mark.parametrize("loss_impl,vocab", [("torch", V), ("fast", 100)])
 def test_padded_rows_stay_exactly_zero_under_adamw(loss_impl, vocab):
     model = tiny(loss_impl=loss_impl, vocab_size=vocab, padded_vocab_size=(vocab + 63) // 64 * 64)
     wte = model.transformer.wte.weight
@@ -295,14 +295,17 @@ def test_from_checkpoint_predated_settings(tmp_path):
     assert loaded.config.softcap == 0.0  # also predates softcap: the default, off
 
 
-def test_from_checkpoint_old_switch_names(tmp_path):
-    """A checkpoint saved when the fast paths were called "fused" and "cublaslt" loads as "fast"."""
+def test_from_checkpoint_takes_todays_fast_paths(tmp_path):
+    """The fast-path switches a checkpoint was trained with (here the names they had before,
+    "fused" and "cublaslt", and "torch") say how that run computed, not what the model is: a
+    loaded model takes today's defaults."""
     save_ckpt(tmp_path / "new.pt", tiny())
     ckpt = torch.load(tmp_path / "new.pt")
-    ckpt["model_config"].update(loss_impl="fused", mlp_impl="cublaslt")
+    ckpt["model_config"].update(loss_impl="fused", mlp_impl="cublaslt", attn_impl="torch")
     torch.save(ckpt, tmp_path / "old.pt")
     loaded, _ = model_io.from_checkpoint(tmp_path / "old.pt")
-    assert (loaded.config.loss_impl, loaded.config.mlp_impl) == ("fast", "fast")
+    switches = (loaded.config.loss_impl, loaded.config.mlp_impl, loaded.config.attn_impl)
+    assert switches == ("fast", "fast", "fast")
 
 
 def test_from_checkpoint_errors(tmp_path):
@@ -461,7 +464,7 @@ def test_transformers_import_and_export_round_trip(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bf16_loss():  # generation on the GPU: tests/test_generate.py
-    model = tiny(seed=6, loss_impl="fused").cuda().eval()
+    model = tiny(seed=6, loss_impl="fast").cuda().eval()
     idx = torch.randint(0, V, (4, 33), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = model(idx, idx)
@@ -481,7 +484,7 @@ def test_compiled_model_takes_a_second_shape():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("loss_impl", ["torch", "fused"])
+@pytest.mark.parametrize("loss_impl", ["torch", "fast"])
 def test_gpu_compiled_training_step_matches_eager(loss_impl):
     """The trainer compiles the model: the forward must compile without graph breaks on CUDA."""
     model = tiny(seed=7, loss_impl=loss_impl).cuda()

@@ -308,30 +308,28 @@ def test_resume_of_a_finished_run_says_so(tiny_args, tmp_path, capsys):
     assert (tmp_path / "log.jsonl").read_text() == log
 
 
-@pytest.mark.parametrize("key,first", [("mlp_impl", "cublaslt"), ("loss_impl", "fused"),
-                                       ("adamw_impl", "fast"), ("attn_impl", "fast")])  # fmt: skip
-def test_resume_may_switch_a_fast_path(tiny_args, tmp_path, key, first):
+@pytest.mark.parametrize("key", ["mlp_impl", "loss_impl", "adamw_impl", "attn_impl"])
+def test_resume_may_switch_a_fast_path(tiny_args, tmp_path, key):
     """The fast-path switches say how a layer or the update is computed, not what: a checkpoint
-    resumes under either value (the first run uses the switch's old name, still accepted)."""
+    resumes under either value."""
     args = tiny_args + [f"--out_dir={tmp_path}"]
-    train.main(args + ["--max_steps=1", f"--{key}={first}"])
+    train.main(args + ["--max_steps=1", f"--{key}=fast"])
     train.main(args + ["--max_steps=2", "--resume", f"--{key}=torch"])
     assert sorted(read_log(tmp_path)[0]) == [0, 1]
 
 
 def test_fast_path_switches_one_vocabulary():
-    """ "fast" | "torch" for every switch; the old names are aliases of "fast"."""
-    old = ["--loss_impl=fused", "--mlp_impl=cublaslt", "--adamw_impl=triton"]
-    cfg = config.load_config(old)
-    assert (cfg.loss_impl, cfg.mlp_impl, cfg.adamw_impl) == ("fast", "fast", "fast")
-    assert config.load_config([]).attn_impl == "fast"  # new: no old name
+    """ "fast" (the default) | "torch" for every switch, and nothing else: the names the switches
+    had before ("fused", "cublaslt", "triton") are errors now."""
     keys = ("loss_impl", "mlp_impl", "attn_impl", "adamw_impl")
-    plain = config.load_config([f"--{k}=torch" for k in keys])
-    assert [getattr(plain, k) for k in keys] == ["torch"] * 4
-    with pytest.raises(config.ConfigError, match="adamw_impl"):
-        config.load_config(["--adamw_impl=cublaslt"])
-    with pytest.raises(config.ConfigError, match="attn_impl"):
-        config.load_config(["--attn_impl=cudnn"])
+    flat = config.flat(config.load_config([]))
+    assert [flat[k] for k in keys] == ["fast"] * 4
+    flat = config.flat(config.load_config([f"--{k}=torch" for k in keys]))
+    assert [flat[k] for k in keys] == ["torch"] * 4
+    for key, old in [("loss_impl", "fused"), ("mlp_impl", "cublaslt"), ("adamw_impl", "triton"),
+                     ("attn_impl", "cudnn")]:  # fmt: skip
+        with pytest.raises(config.ConfigError, match=key):
+            config.load_config([f"--{key}={old}"])
 
 
 def test_non_finite_loss_stops_without_saving(tiny_args, tmp_path, monkeypatch):
@@ -669,7 +667,7 @@ def test_gpu_train_main_compiled_with_checks(tiny_args, tmp_path, capsys):
     check at steps 0 and 3 (after the step-2 evaluation) and at each evaluation; the loss falls
     and the peak memory is reported."""
     args = [a for a in tiny_args if not a.startswith(("--device", "--dtype", "--compile"))]
-    args += ["--device=cuda", "--dtype=auto", "--loss_impl=fused", "--max_steps=6"]
+    args += ["--device=cuda", "--dtype=auto", "--loss_impl=fast", "--max_steps=6"]
     args += ["--eval_interval=2", f"--out_dir={tmp_path}"]
     train.main(args)
     out = capsys.readouterr().out
@@ -680,7 +678,7 @@ def test_gpu_train_main_compiled_with_checks(tiny_args, tmp_path, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("loss_impl", ["torch", "fused"])
+@pytest.mark.parametrize("loss_impl", ["torch", "fast"])
 def test_gpu_compiled_xl_width_step_matches_eager(loss_impl):
     """GPT-2 XL's width (1600, 25 heads), 2 layers, fp32 weights under bf16 autocast, compiled
     with the trainer's default settings: loss and gradients match eager mode's. With Inductor's
