@@ -20,14 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from core import generate
-from fused_loss import (
-    attention,
-    cublaslt,
-    fused_linear_cross_entropy,
-    gemv,
-    linear_cross_entropy_reference,
-)
-from fused_loss.mlp import mlp_cublaslt
+from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
+from kernels import attention, cublaslt, gemv
+from kernels.mlp import mlp_cublaslt
 
 # name -> (n_layer, n_head, n_embd); block size 1024, vocab 50257 for all of them.
 _PRESETS = {
@@ -205,10 +200,10 @@ class Block(nn.Module):
 
     def _decode_row(self, x, cache, layer):
         """forward for a decoding step of one sequence (x (1, 1, C), bf16/fp16 on CUDA, cache a
-        generate.StaticKVCache): four GEMVs (fused_loss/gemv.py), the LayerNorms in the
+        generate.StaticKVCache): four GEMVs (kernels/gemv.py), the LayerNorms in the
         prologues of c_attn and c_fc, the key and value stores in c_attn's epilogue, the
         residual adds in the projections'. Same math, fewer kernels: at batch 1 the small ones
-        cost as much as reading the weights (bench/RESULTS.md §3)."""
+        cost as much as reading the weights (bench/RESULTS.md#sampling)."""
         attn, mlp = self.attn, self.mlp
         k, v = cache.k[layer], cache.v[layer]
         qkv = gemv.gemv(x, attn.c_attn.weight, attn.c_attn.bias, ln=_ln_args(self.ln_1),
@@ -357,7 +352,8 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache, i)
         x = self.transformer.ln_f(x[:, -1, :])
-        # the classifier stays with cuBLAS: faster than a GEMV at 50304 rows (RESULTS §3)
+        # the classifier stays with cuBLAS: faster than a GEMV at 50304 rows
+        # (bench/RESULTS.md#classifier-on-cublas)
         return self._logits(x)
 
     def generate(

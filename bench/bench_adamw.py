@@ -3,27 +3,26 @@
     python bench/bench_adamw.py [--preset 1558M] [--reps 10]
     TRITON_INTERPRET=1 python bench/bench_adamw.py --preset 124M --layers 1   # CPU: the check only
 
-A 1558M step profile (bench/RESULTS.md run 43) spent 17.1 ms in fused AdamW and 4.6 ms in
-grad-norm clipping, about twice what their bytes need at the H200's 4.8 TB/s. This times, on
+A 1558M step profile spent 17.1 ms in torch's fused AdamW and 4.6 ms in grad-norm clipping,
+about twice what their bytes need at the H200's 4.8 TB/s (bench/RESULTS.md#adamw). This times, on
 the parameter shapes of a GPT-2 preset (fp32 params, grads and moments, as train.py has them):
 
-- torch: `clip_grad_norm_` then `torch.optim.AdamW(fused=True).step()` (train.py before
-  session 18);
-- train.py: `optim.clipped_step`, the norm then the fused step with the clip factor passed as
-  its grad_scale (read in-kernel; the kernel writes the clipped grads back: 36 bytes);
+- torch: `clip_grad_norm_` then `torch.optim.AdamW(fused=True).step()`;
+- train.py (torch's AdamW): `optim.clipped_step`, the norm then the fused step with the clip
+  factor passed as its grad_scale (read in-kernel; the kernel writes the clipped grads back:
+  36 bytes);
 - torch adam: the fused step alone;
 - triton: the norm as torch computes it, then one Triton launch per parameter that reads the
   clip factor from device memory (no host sync) and applies it while updating: the grads are
   read once, not three times (norm, scale in place, step);
 - triton flat: the same kernel once over all parameters laid end to end: the bandwidth a single
   launch reaches (train.py's parameters are separate tensors, so this is a bound, not an option);
-- MultiTensorAdamW (fused_loss/adamw.py, train.py's default on CUDA since session 21): the norm
-  and the step each in one launch over all tensors, through tables of their addresses.
+- MultiTensorAdamW (kernels/adamw.py, train.py's default on CUDA): the norm and the step each
+  in one launch over all tensors, through tables of their addresses.
 
 and checks that `triton` leaves the same parameters and moments as `torch` after a few steps.
 Floor: AdamW reads p, g, m, v and writes p, m, v (28 bytes per parameter); the norm reads g
-(4 more). The per-tensor and flat kernels here are exploratory; train.py uses fused_loss/adamw.py.
-Measured: bench/RESULTS.md runs 45-46 and session 21.
+(4 more). The per-tensor and flat kernels here are exploratory; train.py uses kernels/adamw.py.
 """
 
 import argparse
@@ -36,7 +35,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from core import optim  # noqa: E402
-from fused_loss.adamw import MultiTensorAdamW  # noqa: E402
+from kernels.adamw import MultiTensorAdamW  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 PRESETS = ("124M", "350M", "774M", "1558M")

@@ -9,11 +9,11 @@ causal half of 4 * B * nh * T^2 * hs forward, 2.5x that for both), and the error
 and dv against fp32 math attention on the same bf16 inputs (max abs error / max abs reference).
 torch's pick is whichever kernel scaled_dot_product_attention chooses with every backend on.
 Prints a table last. On an H200 with torch 2.11, torch's pick is cuDNN's kernel already
-(bench/RESULTS.md §2e).
+(bench/RESULTS.md#attention).
 --branch times the training branch instead: c_attn + attention forward + backward under bf16
 autocast with an fp32 weight (GPU ms, median of rounds), torch's path (nn.Linear + SDPA) compiled
-against fused_loss/attention.py's op (model attn_impl="fast") compiled (§2i). Its passes alone
-(colsum.qkv_grad, colsum) are bench/bench_colsum.py's, timed as CUDA graphs (§2j).
+against kernels/attention.py's op (model attn_impl="fast") compiled. Its passes alone
+(colsum.qkv_grad, colsum) are bench/bench_colsum.py's, timed as CUDA graphs.
 """
 
 import argparse
@@ -109,7 +109,7 @@ def measure(name, batch, repeats):
 def branch(name, batch, repeats):
     """Rows (shape, case, ms) of the --branch timings."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from fused_loss import attention
+    from kernels import attention
 
     n_head, C = SHAPES[name]
     B, T = batch, 1024

@@ -1,4 +1,4 @@
-"""Bias-gradient column sums (fused_loss/colsum.py) against torch, at GPT-2's shapes.
+"""Bias-gradient column sums (kernels/colsum.py) against torch, at GPT-2's shapes.
 
     python bench/bench_colsum.py [--repeats 7]
 
@@ -7,8 +7,8 @@ their concatenation written) against torch.cat alone and the compiled cat + sum,
 (M, 4C) gradient against the compiled sum, each pass-1 launch variant of colsum.LAUNCH in turn;
 M = B T of 124M:32 and 1558M:16. Each case is timed as a CUDA graph of 20 calls (median of
 --repeats replays), so the host's time per call does not count: events around eager calls of
-these ~0.1 ms passes measured the host instead (RESULTS §2i, runs 120-121 against 123). The
-results are checked against torch (the concatenation bit for bit). Prints a table last.
+these ~0.1 ms passes measure the host instead (bench/RESULTS.md#attention). The results are
+checked against torch (the concatenation bit for bit). Prints a table last.
 """
 
 import argparse
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemv import graph_us  # noqa: E402
 
-from fused_loss import colsum  # noqa: E402
+from kernels import colsum  # noqa: E402
 
 SHAPES = {"124M:32": (32768, 768), "1558M:16": (16384, 1600)}
 VARIANTS = [

@@ -1,6 +1,6 @@
 """dw's accumulation over the fused loss's chunks with bf16 weights (issue 28): cuBLAS into an fp32
 accumulator, as fused_loss does, against a Triton GEMM that keeps dw as a pair of bf16 halves (a
-variant measured and dropped: bench/RESULTS.md §1, run 141).
+variant measured and dropped: bench/RESULTS.md#fused-loss).
 
     python bench/bench_dw_gemm.py [--repeats 3] [--configs all]
     TRITON_INTERPRET=1 python bench/bench_dw_gemm.py --check      # the kernel against float64
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_exp_gemm import events  # noqa: E402
 
 from fused_loss import linear_cross_entropy as fl  # noqa: E402
-from fused_loss.triton_kernels import _cast  # noqa: E402
+from kernels.interpreter import to_dtype  # noqa: E402
 
 V = 50304
 SHAPES = {"124M": (32768, 768), "1558M": (16384, 1600)}
@@ -92,11 +92,11 @@ def _dw_hilo_kernel(
         if not FIRST:
             acc += tl.load(hi_ptr + at, mask=mask, other=0.0).to(tl.float32)
             acc += tl.load(lo_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        hi = _cast(acc, tl.bfloat16, INTERPRETED)
+        hi = to_dtype(acc, tl.bfloat16, INTERPRETED)
         tl.store(hi_ptr + at, hi, mask=mask)
         if not LAST:
             tl.store(
-                lo_ptr + at, _cast(acc - hi.to(tl.float32), tl.bfloat16, INTERPRETED), mask=mask
+                lo_ptr + at, to_dtype(acc - hi.to(tl.float32), tl.bfloat16, INTERPRETED), mask=mask
             )
 
 
@@ -149,7 +149,6 @@ def check():
 
 
 def time_shape(shape, N, D, configs, repeats):
-    cfg = fl.LAUNCH["cuda"]
     rows_fp32 = fl.rows_per_chunk(N, V, D, 2, V * D * 4, True)
     rows_hilo = fl.rows_per_chunk(N, V, D, 2, V * D * 2, True)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -160,7 +159,7 @@ def time_shape(shape, N, D, configs, repeats):
     lo = torch.zeros_like(hi)
 
     def cublas(r=rows_fp32):
-        fl._gemm(acc, e[:r].t(), xs[:r], cfg, accumulate=True)
+        fl._gemm(acc, e[:r].t(), xs[:r], accumulate=True)
 
     def hilo(r, name):
         return lambda: dw_hilo(e[:r], xs[:r], hi, lo, first=False, last=False, config=name)
@@ -175,7 +174,7 @@ def time_shape(shape, N, D, configs, repeats):
             except Exception as exc:  # a configuration that does not compile or fit
                 print(f"{name} at {r} rows: {repr(exc)[:200]}")
     # the kernel's result against cuBLAS's on one chunk
-    fl._gemm(acc, e.t(), xs, cfg)
+    fl._gemm(acc, e.t(), xs)
     dw_hilo(e, xs, hi, lo, first=True, last=False, config=configs[0])
     err = ((hi.float() + lo.float() - acc).norm() / acc.norm()).item()
     times = {k: [] for k in cases}

@@ -3,26 +3,30 @@
     python bench/bench_exp_gemm.py [--repeats 3] [--configs all] [--e2e]
 
 Part 1, one chunk (GPU ms, CUDA events around 20 launches, medians over --repeats interleaved
-rounds): the cuBLAS logits GEMM alone (LAUNCH gemm, algorithm chosen by timing), that GEMM +
-_exp_rows_kernel (today's single-read chunk, what the epilogue replaces), and exp_gemm's
-start + finish for each tile configuration, at the chunk shapes of the 124M and 1558M classifiers
-with fp32 master weights (6554 and 3277 rows) and of the 124M one with bf16 weights (1725 rows).
-Also each configuration's error of G = f E against exp_gemm.exp_logits_reference's fp32 math.
-Part 2 (--e2e): fwd+bwd of fused_linear_cross_entropy with LAUNCH logits "cublas" and "triton"
-(and torch.compile of the reference) at the 124M and 1558M shapes, fp32 master weight under
-autocast, interleaved --repeats times; GPU ms with the host's latency hidden.
+rounds): the cuBLAS logits GEMM alone (algorithm chosen by timing), that GEMM + _exp_rows_kernel
+(the single-read chunk where exp_gemm does not apply), and exp_gemm's start + finish for each
+tile configuration of CONFIGS (exp_gemm.LAUNCH's first), at the chunk shapes of the 124M and
+1558M classifiers with fp32 master weights (6554 and 3277 rows) and of the 124M one with bf16
+weights (1725 rows). Also each configuration's error of G = f E against
+exp_gemm.exp_logits_reference's fp32 math.
+Part 2 (--e2e): fwd+bwd of fused_linear_cross_entropy with exp_gemm and with the cuBLAS logits
+GEMM + _exp_rows_kernel (exp_gemm.applies patched off, as before Hopper), and torch.compile of
+the reference, at the 124M and 1558M shapes, fp32 master weight under autocast, interleaved
+--repeats times; GPU ms with the host's latency hidden.
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
+from unittest import mock
 
 import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fused_loss import SHAPES, FwdBwd, configured, make_inputs, master_weight, timed  # noqa: E402
+from bench_fused_loss import SHAPES, FwdBwd, make_inputs, master_weight, timed  # noqa: E402
 
 from fused_loss import (  # noqa: E402
     exp_gemm,
@@ -30,17 +34,12 @@ from fused_loss import (  # noqa: E402
     linear_cross_entropy_reference,
     triton_kernels,  # noqa: E402
 )
-from fused_loss import linear_cross_entropy as fl  # noqa: E402
+from fused_loss import linear_cross_entropy as fl  # noqa: E402  (bench_fused_loss set the path)
 
-# (BM, BN, BK, num_warps, num_stages, per_sm, tma_store); run 93 also timed 128x128x64 at 8 and 4
-# warps, 4 stages, 128x128x64 4 warps 2 stages 2/SM and 128x256x64 2 stages: all slower
+# (BM, BN, BK, num_warps, num_stages) of exp_gemm.LAUNCH["cuda"]: its own, then other tiles
 CONFIGS = {
-    "128x256x64 w8 s3": (128, 256, 64, 8, 3, 1, True),
-    "128x256x64 w8 s3 ptr": (128, 256, 64, 8, 3, 1, False),
-    "128x256x64 w8 s4 ptr": (128, 256, 64, 8, 4, 1, False),
-    "128x256x128 w8 s2 ptr": (128, 256, 128, 8, 2, 1, False),
-    "256x128x64 w8 s3": (256, 128, 64, 8, 3, 1, True),
-    "256x128x64 w8 s4 ptr": (256, 128, 64, 8, 4, 1, False),
+    "128x256x64 w8 s3": (128, 256, 64, 8, 3),
+    "256x128x64 w8 s3": (256, 128, 64, 8, 3),
 }
 CHUNKS = {"124M master (6554 rows)": (6554, 768), "1558M master (3277 rows)": (3277, 1600),
           "124M bf16 w (1725 rows)": (1725, 768)}  # fmt: skip
@@ -61,10 +60,8 @@ def events(fn, n=20):
 
 
 def set_config(name):
-    BM, BN, BK, warps, stages, per_sm, tma_store = CONFIGS[name]
-    exp_gemm.LAUNCH["cuda"].update(
-        BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, per_sm=per_sm, tma_store=tma_store
-    )
+    BM, BN, BK, warps, stages = CONFIGS[name]
+    exp_gemm.LAUNCH["cuda"].update(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
 
 
 def one_hot_out(e, f, h, y):
@@ -86,14 +83,14 @@ def chunk_cases(n, D, configs):
     losses = torch.empty(n, device="cuda")
     f, h = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
     cfg = fl.LAUNCH["cuda"]
-    options, _, _, mask_cols = fl.row_kernel_setup(cfg, True, VOCAB, V)
+    options = fl.row_kernel_options(cfg, cuda=True)
     programs = fl._num_sms(0) * cfg["per_sm"]
 
     def cublas():
-        fl._gemm(buf, x, w.t(), cfg)
+        fl._gemm(buf, x, w.t())
 
-    def cublas_rows():
-        fl._gemm(buf, x, w.t(), cfg)
+    def cublas_rows():  # as lce_pass launches it (mask_cols = V after the -inf fill)
+        fl._gemm(buf, x, w.t())
         buf[:, VOCAB:].fill_(float("-inf"))
         triton_kernels._exp_rows_kernel[(min(n, programs),)](
             buf, y, gw, losses, f, h, n, V, VOCAB, V, buf.stride(0), -100,
@@ -175,14 +172,15 @@ def main():
             return fused_linear_cross_entropy(a, b, c, vocab_size=VOCAB)
 
         runs = {
-            "torch.compile": (FwdBwd(master_weight(compiled), x, w32, t), {}),
-            "ours logits=cublas": (FwdBwd(master_weight(ours), x, w32, t), dict(logits="cublas")),
-            "ours logits=triton": (FwdBwd(master_weight(ours), x, w32, t), dict(logits="triton")),
+            "torch.compile": (FwdBwd(master_weight(compiled), x, w32, t), True),
+            "ours, cuBLAS logits GEMM": (FwdBwd(master_weight(ours), x, w32, t), False),
+            "ours, exp_gemm": (FwdBwd(master_weight(ours), x, w32, t), True),
         }
         times = {k: [] for k in runs}
         for _ in range(args.repeats):
-            for k, (run, over) in runs.items():
-                with configured(None, **over):
+            for k, (run, epilogue) in runs.items():
+                off = mock.patch.object(exp_gemm, "applies", lambda x, w: False)
+                with off if not epilogue else contextlib.nullcontext():
                     times[k].append(timed(run, 10, hide_host=True))
         print(f"\n{shape}, fp32 master w under autocast: fwd+bwd GPU ms per repeat")
         print("| case | GPU ms |")

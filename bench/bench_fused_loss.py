@@ -1,7 +1,7 @@
 """Linear + cross-entropy fwd+bwd: our kernel vs torch eager, torch.compile, Liger and CCE.
 
     python bench/bench_fused_loss.py [--shapes 124M,1558M,256k] [--out DIR] [--variants]
-        [--methods torch.compile,ours] [--set order=forward,per_sm=3] [--repeats 5]
+        [--methods torch.compile,ours] [--set per_sm=3,single_read=False] [--repeats 5]
 
 For each shape: x (N, D) ~ N(0, 1) bf16, w (V, D) bf16 with logits of std ~2, targets uniform over
 the vocab with 5 % ignored (-100). Every method gets the same tensors. Reports fwd+bwd and forward
@@ -266,20 +266,15 @@ def kernel_breakdown(x, w, t, vocab):
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][0])[:12])
 
 
-# Variants of ours, timed at the 124M shape: memory budget (chunk size) and the row kernel's
+# Variants of ours, timed at the 124M shape: memory budget (chunk size) and the row kernels'
 # launch (overrides of fl.EXTRA_BYTES and fl.LAUNCH["cuda"]).
 VARIANTS = {
-    "forward": dict(row=dict(order="forward")),  # the default before run 14
-    "pass2_back": dict(row=dict(order="pass2_back")),  # "auto" without masking; pinned here
-    "pass1_back": dict(row=dict(order="pass1_back")),
     "w16_sm2": dict(row=dict(per_sm=2, num_warps=16)),
-    "no_cap_regs": dict(row=dict(cap_regs=False)),  # the launch measured in runs 11-18
     "single_read": dict(row=dict(single_read=True)),
+    "two_reads": dict(row=dict(single_read=False)),
     "extra640": dict(extra=640 * MiB),
     # the trainer's case: fp32 master weight under autocast (at 124M 5 chunks of 6554 rows)
     "master_two_reads": dict(row=dict(single_read=False), master=True),
-    # the single read with cuBLAS's logits GEMM and _exp_rows_kernel: the default until run 96
-    "master_cublas_logits": dict(row=dict(logits="cublas"), master=True),
 }
 
 
@@ -452,9 +447,6 @@ def main():
                 torch.cuda.empty_cache()
         try:
             results["breakdown"][shape] = kernel_breakdown(x, w, t, V)
-            if args.variants and shape == "124M":
-                with variant("forward"):
-                    results["breakdown"][f"{shape} forward"] = kernel_breakdown(x, w, t, V)
         except Exception as e:
             results["breakdown"][shape] = repr(e)[:300]
         with open(path, "w") as f:

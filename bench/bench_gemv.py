@@ -4,14 +4,14 @@
     TRITON_INTERPRET=1 python bench/bench_gemv.py --quick      # CPU: the baseline kernel's check
 
 Each call reads the next of `--layers` copies of the weight (1558M: 48 x 20 MB, far beyond the
-H200's L2), inside one CUDA graph, as a decoding step does (run 85 replayed one weight, which
-then sat in L2). Per GPT-2 block shape (c_attn, attn c_proj, c_fc + GELU, mlp c_proj), µs per
-call and TB/s of weight bytes for:
+H200's L2), inside one CUDA graph, as a decoding step does (one weight replayed would sit in L2).
+Per GPT-2 block shape (c_attn, attn c_proj, c_fc + GELU, mlp c_proj), µs per call and TB/s of
+weight bytes for:
     cublas          F.linear (then F.gelu): a step without the GEMV
-    loop            session 24's kernel (a runtime K loop of 512-wide loads, no PDL), kept here
-    gemv            fused_loss.gemv as model.py runs it (whole rows at once, PDL on Hopper)
-    gemv no-pdl     the same launched plainly
-    e{E} w{W}       the same kernel, E weight elements per program, W warps (with PDL)
+    loop            an earlier GEMV (a runtime K loop of 512-wide loads, no PDL), kept here
+    gemv            kernels.gemv as model.py runs it (whole rows at once, PDL on Hopper)
+    gemv no-pdl     its kernel launched plainly (gemv_variant)
+    e{E} w{W}       its kernel with E weight elements per program, W warps (gemv_variant)
     block torch     what model.Block ran around the matmul before: F.layer_norm + F.linear
                     (+ GELU) for c_attn and c_fc, F.linear + the residual add for the projections
     block gemv      the same in one GEMV (the LayerNorm in its prologue, the add in its epilogue)
@@ -31,8 +31,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from fused_loss import gemv  # noqa: E402
-from fused_loss.triton_kernels import _cast  # noqa: E402
+from kernels import gemv  # noqa: E402
+from kernels.interpreter import to_dtype  # noqa: E402
 
 SHAPES = {  # (N, K, GELU, what model.Block fuses into it) of a block's four linear layers
     "124M": [(2304, 768, False, "ln"), (768, 768, False, "residual"), (3072, 768, True, "ln"),
@@ -47,7 +47,7 @@ def _gemv_loop_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K,
     GELU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """Session 24's GEMV: BLOCK_N rows, a runtime loop over K in BLOCK_K steps (each load waits
+    """The earlier GEMV: BLOCK_N rows, a runtime loop over K in BLOCK_K steps (each load waits
     for the last), bias and GELU on the fp32 sum."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -63,11 +63,11 @@ def _gemv_loop_kernel(
     y = tl.sum(acc, axis=1) + tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     if GELU:
         y = y * tl.sigmoid(1.5957691216057308 * (y + 0.044715 * y * y * y))
-    tl.store(y_ptr + rows, _cast(y, y_ptr.dtype.element_ty, INTERPRETED), mask=row_ok)
+    tl.store(y_ptr + rows, to_dtype(y, y_ptr.dtype.element_ty, INTERPRETED), mask=row_ok)
 
 
 def gemv_loop(x, w, b, gelu):
-    """Session 24's launch: 16 rows a program, halved to leave >= 2 programs per SM."""
+    """Its launch: 16 rows a program, halved to leave >= 2 programs per SM."""
     n, k = w.shape
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     block = 16
@@ -76,6 +76,26 @@ def gemv_loop(x, w, b, gelu):
     _gemv_loop_kernel[(triton.cdiv(n, block),)](
         x, w, b, y, n, k, GELU=gelu, BLOCK_N=block, BLOCK_K=512,
         INTERPRETED=x.device.type != "cuda", num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+def gemv_variant(x, w, b, gelu, elements=gemv.ELEMENTS, num_warps=gemv.NUM_WARPS, use_pdl=None):
+    """kernels.gemv's kernel (bias, GELU; no LayerNorm, residual or cache) at another launch:
+    `elements` weights a program (its block_n rule otherwise), num_warps, PDL or not (None: as
+    gemv launches it)."""
+    use_pdl = gemv.pdl(x.device) if use_pdl is None else use_pdl
+    n, k = w.shape
+    y = torch.empty(n, dtype=x.dtype, device=x.device)
+    KP = triton.next_power_of_2(k)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    block = max(1, elements // KP)
+    while block > 1 and triton.cdiv(n, block) < 2 * sms:
+        block //= 2
+    gemv._gemv_kernel[(triton.cdiv(n, block),)](
+        x, w, b, w, w, w, y, w, w, w, n, 0.0, 0, K=k, KP=KP, BLOCK_N=block, HAS_BIAS=True,
+        LN=False, LN_BIAS=False, GELU=gelu, RESIDUAL=False, KV=False, HEAD=1, PDL=use_pdl,
+        INTERPRETED=False, num_warps=num_warps, **(dict(launch_pdl=True) if use_pdl else {}),
     )  # fmt: skip
     return y
 
@@ -135,13 +155,12 @@ def measure(n, k, gelu, around, layers):
         "cublas": lambda w: cublas(x, w, b, gelu),
         "loop": lambda w: gemv_loop(x, w, b, gelu),
         "gemv": lambda w: gemv.gemv(x, w, b, gelu=gelu),
-        "gemv no-pdl": lambda w: gemv.launch(x, w, b, None, None, None, 0.0, gelu, x.dtype,
-                                             use_pdl=False),
-    }  # fmt: skip
+        "gemv no-pdl": lambda w: gemv_variant(x, w, b, gelu, use_pdl=False),
+    }
     for e in (2048, 4096, 8192, 16384):
         for nw in (4, 8):
-            variants[f"e{e} w{nw}"] = lambda w, e=e, nw=nw: gemv.launch(
-                x, w, b, None, None, None, 0.0, gelu, x.dtype, elements=e, num_warps=nw
+            variants[f"e{e} w{nw}"] = lambda w, e=e, nw=nw: gemv_variant(
+                x, w, b, gelu, elements=e, num_warps=nw
             )
     # the block's op around this matmul: the LayerNorm before c_attn and c_fc, the residual add
     # after the projections

@@ -3,14 +3,14 @@
     python bench/compile_check.py [--preset 1558M] [--batch 16] [--layers 48]
         [--variants eager:flash,compiled,compiled:torch,compiled:separate,compiled:flash]
 
-Written for the 1558M run whose compiled first loss was 11.1171 against eager mode's 11.1460
-(bench/RESULTS.md, run 22); it traced that to Inductor's in-place buffers (runs 24-27), which
-train.py now turns off. Compiled variants use Inductor's defaults unless they say otherwise
+Written for a 1558M run whose compiled first loss was 11.1171 against eager mode's 11.1460
+(bench/RESULTS.md#compile); it traced that to Inductor's in-place buffers, which train.py now
+turns off. Compiled variants use Inductor's defaults unless they say otherwise
 ("trainer": train.py's compile settings). The model (fp32 weights, bf16 autocast, as train.py
 runs it) takes one step on one batch of random tokens: x and y are two views of one (B*T + 1)
 buffer, as the data loader gives them. Each variant is a comma-free list of words after its
 mode (eager or compiled), joined by ":":
-  torch      the torch loss (materialised logits) instead of the fused one
+  torch      the torch loss (materialised logits) instead of the fused one (loss_impl "fast")
   separate   x and y as two separate contiguous tensors instead of overlapping views
   flash      scaled_dot_product_attention limited to the flash kernel (default: cuDNN first)
   budget=F   torch._functorch.config.activation_memory_budget = F for this compile
@@ -43,11 +43,11 @@ def parse_variant(text):
     mode, *words = text.split(":")
     if mode not in ("eager", "compiled"):
         raise SystemExit(f"variant {text!r}: starts with eager or compiled")
-    opts = dict(impl="fused", budget=None, inductor={})
+    opts = dict(impl="fast", budget=None, inductor={})
     words_on = ("separate", "flash", "nodrop", "fp32", "trainer")
     opts.update({w: False for w in words_on})
     for w in words:
-        if w in ("torch", "fused"):
+        if w == "torch":
             opts["impl"] = w
         elif w in opts:
             opts[w] = True

@@ -1,14 +1,14 @@
 """Where a fwd+bwd's wall time goes beyond its kernels: the GPU timeline of one call.
 
-    python bench/gpu_gaps.py [--variants forward,extra640] [--out DIR]
+    python bench/gpu_gaps.py [--variants two_reads,extra640] [--out DIR]
 
 At the 124M classifier shape (bench_fused_loss's inputs) it profiles one fwd+bwd of ours (and of
-each named variant) and of torch.compile, and reports: host time of the call, time from the call's
-start to its first kernel, the GPU span (first kernel start to last kernel end), the summed kernel
-time, and the idle gaps between consecutive kernels, split into gaps where the next kernel's
-launch call returned only after the previous kernel had finished (the host was late: launch
-overhead) and gaps the GPU made itself. Profiling adds host time per launch, so host-late gaps
-are upper bounds.
+each named variant of bench_fused_loss.VARIANTS) and of torch.compile, and reports: host time of
+the call, time from the call's start to its first kernel, the GPU span (first kernel start to
+last kernel end), the summed kernel time, and the idle gaps between consecutive kernels, split
+into gaps where the next kernel's launch call returned only after the previous kernel had
+finished (the host was late: launch overhead) and gaps the GPU made itself. Profiling adds host
+time per launch, so host-late gaps are upper bounds.
 """
 
 import argparse
@@ -86,7 +86,7 @@ def timeline(fn, label):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="forward")
+    ap.add_argument("--variants", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     x, w, t = make_inputs(*SHAPES["124M"])

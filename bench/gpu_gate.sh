@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU gate: run it on one H200, in one call, on the exact code you are about to land whenever
-# a change reaches code that runs on CUDA, and put its table in bench/RESULTS.md (§0).
+# a change reaches code that runs on CUDA, and put its table in bench/RESULTS.md (#gpu-gate).
 #
 #   bash bench/gpu_gate.sh [OUT_DIR]        # OUT_DIR defaults to $OUT, else out/gpu_gate
 #

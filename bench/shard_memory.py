@@ -13,7 +13,7 @@ micro-batch (an assumption). FSDP2 adds what it gathers: the root's weights (wte
 ln_f) from forward to backward and two blocks at a time, and, with gradient accumulation, every
 grad unsharded until the last micro-step (4 B/param).
 
-gpt2-xl at W = 8 prints (bench/RESULTS.md §9): ZeRO-1's largest rank 194,764,800 parameters,
+gpt2-xl at W = 8 prints (bench/RESULTS.md#multi-gpu): ZeRO-1's largest rank 194,764,800 parameters,
 FSDP2's 194,710,800 (N / 8), and the table of GiB per rank there.
 """
 

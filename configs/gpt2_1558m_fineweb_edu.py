@@ -6,7 +6,7 @@ dataset = "data/cache/edufineweb100B"
 model = "gpt2-xl"  # 48 layers, 25 heads, 1600 wide
 batch_size = 8  # per GPU; an estimate for 80 GB without activation checkpointing, not measured
 # torch.compile recomputes cheap activations in the backward: less memory for a little time
-# (bench/RESULTS.md §2b)
+# (bench/RESULTS.md#compile)
 activation_memory_budget = 0.95
 total_batch_size = 1048576  # 2**20 tokens per optimizer step
 max_steps = 32000  # x 1,048,576 = 33.5B tokens

@@ -2,7 +2,7 @@
 
 At 774M and 1558M, torch.compile with Inductor's in-place buffers has produced a training step
 with a wrong loss and gradients, whose cause is not known and whose results vary from run to
-run (bench/RESULTS.md §2b). `buffer_reuse="no_inplace"` avoids the known case; the guard catches
+run (bench/RESULTS.md#compile). `buffer_reuse="no_inplace"` avoids the known case; the guard catches
 others: on the first training micro-batch of the run and of the step after each evaluation, and
 on the first batch of each evaluation, the compiled loss must be within COMPILE_CHECK_TOL of an
 eager forward's on the same batch.
@@ -85,9 +85,10 @@ def _row_is_persistent(features, cooperative_reduction, limit, inherited):
 def persistent_rows(limit):
     """Inductor reduces rows of up to `limit` elements in registers while the context lasts, so
     LayerNorm at 1280 and 1600 wide (774M, 1558M) reads its inputs once, not twice
-    (bench/RESULTS.md §2h). Inductor's heuristic is a static method of InductorChoices: patched
-    for every thread (the backward compiles in autograd's), and `limit` joins Inductor's cache
-    key through a no-op post-grad pass, so a cached graph of another limit is not reused."""
+    (bench/RESULTS.md#persistent-layernorm-rows). Inductor's heuristic is a static method of
+    InductorChoices: patched for every thread (the backward compiles in autograd's), and `limit`
+    joins Inductor's cache key through a no-op post-grad pass, so a cached graph of another limit
+    is not reused."""
     if limit <= INDUCTOR_PERSISTENT_ROWS:
         yield
         return

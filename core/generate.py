@@ -7,7 +7,7 @@ live in preallocated (B, nh, max_len, hs) buffers, one pair per layer; the posit
 int64 tensor on the device; attention reads all max_len keys under an additive mask (0 up to the
 position, the dtype's lowest value after it); sampling runs inside the step too. A token then
 costs one graph launch and no host sync, where eager decoding is bound by ~15 kernel launches per
-layer (bench/RESULTS.md §3).
+layer (bench/RESULTS.md#sampling).
 
 decode=  "graph"      the eager step captured in one torch.cuda.CUDAGraph: no compiler, set up by
                       a few eager steps and one capture. The default on CUDA: sample.py makes one
@@ -18,7 +18,7 @@ decode=  "graph"      the eager step captured in one torch.cuda.CUDAGraph: no co
                       per batch size, cache length and sampling setting.
          "eager"      the same step launched kernel by kernel; the default on CPU.
          "recompute"  no cache: every token re-runs the window (nanoGPT's loop, the reference).
-Speed of each: bench/RESULTS.md section 3.
+Speed of each: bench/RESULTS.md#sampling.
 
 Context: each token sees at most the last block_size tokens (nanoGPT's crop): longer prompts are
 cropped. The cache holds max_len = min(block_size, prompt + new tokens rounded up to LEN_MULTIPLE)
@@ -51,7 +51,7 @@ LEN_MULTIPLE = 128  # cache lengths are rounded up to this: fewer distinct graph
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # A decoding step attends to all max_len keys of the static cache, one length per Decoder, so
 # one plan: there cuDNN's kernel goes first (4x the mem-efficient one's speed at 1558M, batch 1:
-# bench/RESULTS.md §3).
+# bench/RESULTS.md#sampling).
 _STEP_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *_SDPA_BACKENDS]
 
 
@@ -169,7 +169,7 @@ def _mode(decode, device, top_p=None):
         raise ValueError(f"decode='graph' captures a CUDA graph; the model is on {device}")
     if decode == "compile" and device.type == "cuda" and top_p is not None and top_p < 1.0:
         # Inductor (torch 2.11, H200) fails to generate top-p's cumsum over the vocabulary (a
-        # split scan: InductorError in codegen, bench/RESULTS.md §3); the graph mode gives the
+        # split scan: InductorError in codegen, bench/RESULTS.md#sampling); the graph mode gives the
         # same tokens
         warnings.warn("decode='compile' with top_p: decoding with decode='graph'", stacklevel=3)
         return "graph"

@@ -5,7 +5,7 @@ import math
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from fused_loss.adamw import MultiTensorAdamW
+from kernels.adamw import MultiTensorAdamW
 
 
 def adamw_parts(model, cfg, device):

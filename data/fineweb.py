@@ -65,4 +65,4 @@ if __name__ == "__main__":
 #   each full shard is 200,001,024 bytes (1024-byte header + 2 bytes per token).
 # Measured here: --from-text wikipedia_en/train_00.txt.xz --val-from wikipedia_en/valid.txt.xz
 #   -> local_val_000000.bin 1,034,743 tokens (472 articles, 2.1 MB) and local_train_000001.bin
-#   17,542,134 tokens (5,188 articles, 35.1 MB), ~11 s on 2 cores; timings in bench/RESULTS.md §5.
+#   17,542,134 tokens (5,188 articles, 35.1 MB), ~11 s on 2 cores; timings in bench/RESULTS.md#data.

@@ -41,20 +41,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_loss.triton_kernels import LOG2E, _cast, _logits, _row_loss, _row_weight, _tanh, _target
+from fused_loss.triton_kernels import LOG2E, _logits, _row_loss, _row_weight, _tanh, _target
+from kernels.interpreter import to_dtype
 
 REBASE = 64.0  # nats: E <= e^64 and S <= V e^64 stay finite in bf16 / fp32
 
-# tiles and launch of the GEMM, by device ("cpu": the interpreter, small tiles); the timings of
-# other tiles, stages, pointer stores instead of TMA's and an unflattened loop: bench/RESULTS.md
-# §1, design v4
+# tiles and launch of the GEMM, by device ("cpu": the interpreter, small tiles); other tiles and
+# stages are timed by bench/bench_exp_gemm.py (bench/RESULTS.md#fused-loss)
 LAUNCH = {
-    "cuda": dict(
-        BM=128, BN=256, BK=64, num_warps=8, num_stages=3, per_sm=1, flatten=True, tma_store=True
-    ),
-    "cpu": dict(
-        BM=16, BN=16, BK=16, num_warps=1, num_stages=1, per_sm=1, flatten=True, tma_store=True
-    ),
+    "cuda": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
+    "cpu": dict(BM=16, BN=16, BK=16, num_warps=1, num_stages=1),
 }
 
 
@@ -99,7 +95,6 @@ def _exp_logits_kernel(
     x_desc,  # (n, D) block [BM, BK]
     w_desc,  # (V, D) block [BN, BK]
     e_desc,  # (n, V) out, block [BM, BN]: E (0 in padded columns and dead rows)
-    e_ptr,  # the same (n, V), contiguous, for TMA_STORE=False
     c_ptr,  # (n,) fp32 reference per row
     y_ptr,  # (n,) int64
     s_ptr,  # (n, T) fp32 out: partial sums per tile
@@ -119,14 +114,12 @@ def _exp_logits_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr,
-    TMA_STORE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     num_m = tl.cdiv(n_rows, BM)
     tiles = num_m * tl.cdiv(V, BN)
     T = tl.cdiv(V, BN)
-    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
         pid_m = tile % num_m  # column-major: the programs at work share w's tiles
         pid_n = tile // num_m
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -149,7 +142,7 @@ def _exp_logits_kernel(
         # Few instructions an element: the epilogue is not overlapped with the MMAs, so its issue
         # slots and MUFU exps are what it costs. The padded columns' select runs on every tile:
         # reading the accumulators in a branch of their own (the padded tile only) makes ptxas
-        # wait for each wgmma before the next (bench/RESULTS.md §1, run 129).
+        # wait for each wgmma before the next (bench/RESULTS.md#fused-loss).
         real = (cols < vocab_size)[None, :]  # the padded columns' mask
         if ALL_ROWS:  # sums of dead rows too (their lse), whose base may go below c = 0
             t = tl.where(real, acc - c[:, None], float("-inf"))
@@ -172,12 +165,7 @@ def _exp_logits_kernel(
             a = acc / softcap
             e = e * (1.0 - a * a)
         tl.store(k_ptr + rows * T + pid_n, k.to(tl.int32), mask=in_rows)
-        if TMA_STORE:
-            e_desc.store([pid_m * BM, pid_n * BN], _cast(e, e_desc.dtype, INTERPRETED))
-        else:
-            e_ptrs = e_ptr + rows[:, None].to(tl.int64) * V + cols[None, :]
-            mask = in_rows[:, None] & (cols < V)[None, :]
-            tl.store(e_ptrs, _cast(e, e_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+        e_desc.store([pid_m * BM, pid_n * BN], to_dtype(e, e_desc.dtype, INTERPRETED))
 
 
 @triton.jit
@@ -248,21 +236,23 @@ def _exp_finish_kernel(
                     scale = tl.exp2((kt - K).to(tl.float32) * (REBASE * LOG2E))
                     cols = t * BN + lanes
                     old = tl.load(e_row + cols, mask=cols < V, other=0.0).to(tl.float32)
-                    tl.store(e_row + cols, _cast(old * scale, out_ty, INTERPRETED), mask=cols < V)
+                    tl.store(
+                        e_row + cols, to_dtype(old * scale, out_ty, INTERPRETED), mask=cols < V
+                    )
             # the one-hot below goes to an element another thread may have just stored: without
-            # the barrier the two stores land in either order (seen on the H200: RESULTS §1)
+            # the barrier the two stores land in either order (seen on the H200)
             tl.debug_barrier()
         if fold:  # G_y = f (E_y - S / coef) = g (coef p_y - 1)
             hot = e_y - S / coef if Z_LOSS else e_y - S
             if SOFTCAP:
                 a = tl.load(c_ptr + r) / softcap
                 hot = hot * (1.0 - a * a)
-            tl.store(e_row + y, _cast(hot, out_ty, INTERPRETED))
+            tl.store(e_row + y, to_dtype(hot, out_ty, INTERPRETED))
 
 
 @functools.cache
-def _programs(device_index, per_sm):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count * per_sm
+def _sms(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def scratch(n, V, device):
@@ -305,13 +295,12 @@ def start(
     w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [BN, BK])
     e_desc = TensorDescriptor(e, list(e.shape), list(e.stride()), [BM, BN])
     tiles = triton.cdiv(n, BM) * s.shape[1]
-    programs = min(tiles, _programs(x.device.index, cfg["per_sm"]) if cuda else tiles)
+    programs = min(tiles, _sms(x.device.index)) if cuda else tiles  # one per SM
     _exp_logits_kernel[(programs,)](
-        x_desc, w_desc, e_desc, e, c, y, s, k, n_rows=n, V=V, D=D, vocab_size=vocab_size,
+        x_desc, w_desc, e_desc, c, y, s, k, n_rows=n, V=V, D=D, vocab_size=vocab_size,
         ignore_index=ignore_index, REBASE=REBASE, **options, ALL_ROWS=all_rows, BM=BM, BN=BN, BK=BK,
-        PROGRAMS=programs, INTERPRETED=not cuda,
-        FLATTEN=cfg["flatten"], TMA_STORE=cfg["tma_store"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PROGRAMS=programs, INTERPRETED=not cuda, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 

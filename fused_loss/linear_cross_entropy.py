@@ -5,11 +5,11 @@ Forward computes the loss and, when gradients are wanted, dx and dw in the same 
 is the last op of the model, so the backward only scales them by the upstream gradient (3 GEMMs,
 not 4). reduction="none" cannot be precomputed that way (each row's upstream gradient is unknown
 in forward), so its backward runs the pass again with those per-row weights. The chunk GEMMs go
-through cublaslt.py (algorithms chosen by timing, LAUNCH "gemm"), except the logits GEMM of the
+through kernels/cublaslt.py (algorithms chosen by timing), except the logits GEMM of the
 single-read path on Hopper, which is exp_gemm.py's Triton kernel with the row pass in its
-epilogue (LAUNCH "logits"). The options (bias, softcap, z_loss, label_smoothing, return_lse)
-live in the two-read row kernel and in exp_gemm's kernels, label smoothing in the former only;
-calls with options that the path at hand cannot take go to the two-read kernel (lce_pass).
+epilogue. The options (bias, softcap, z_loss, label_smoothing, return_lse) live in the two-read
+row kernel and in exp_gemm's kernels, label smoothing in the former only; calls with options
+that the path at hand cannot take go to the two-read kernel (lce_pass).
 """
 
 import functools
@@ -19,64 +19,47 @@ from typing import Optional
 import torch
 import triton
 
-from fused_loss import cublaslt, exp_gemm, triton_kernels
+from fused_loss import exp_gemm, triton_kernels
 from fused_loss.checks import check_inputs
 from fused_loss.reference import linear_cross_entropy_reference
+from kernels import cublaslt
 
 # The launch of the row kernels (triton_kernels.py), by device ("cpu": the Triton interpreter in
-# tests, small blocks so that small ragged shapes span several). The choices' timings:
-# bench/RESULTS.md §1.
+# tests, small blocks so that small ragged shapes span several); bench/RESULTS.md#fused-loss.
 #   BV, BD        columns per step of the row kernels; D-block of _row_scale_kernel
 #   one_hot_rows  sorted rows a block of _one_hot_pieces_kernel sums; one_hot_cols: its D-block
 #                 (and _one_hot_runs_kernel's); one_hot_steps: blocks _one_hot_runs_kernel adds
 #                 a step along a run that crosses blocks
-#   per_sm        programs per SM (persistent over rows; 0: one program per row)
+#   per_sm        programs per SM, persistent over rows. On CUDA their registers are capped
+#                 (ptxas .maxnreg, row_kernel_maxnreg) so that all fit on an SM at once, as the
+#                 grid assumes; uncapped, ptxas's counts swing with small code changes
 #   single_read   _exp_rows_kernel (one read of the buffer, the row scales applied around the
-#                 GEMMs) instead of _softmax_grad_kernel (two reads). It rounds f * x for the dw
-#                 GEMM, one rounding more than torch's path on the softmax part of G (with a
-#                 16-bit dw the one-hot part is added in fp32, so dw's error stays below torch's;
-#                 an fp32 dw, not rounded again, keeps it folded into E). "auto" takes it for
-#                 an fp32 dw (the fp32 master weight under autocast), and for a bf16 dw unless
-#                 the fp32 accumulator leaves the chunks at MIN_ROWS (1558M's width): there the
+#                 GEMMs) or _softmax_grad_kernel (two reads): True, False or "auto"
+#                 (use_single_read). The single read rounds f * x for the dw GEMM, one rounding
+#                 more than torch's path on the softmax part of G (with a 16-bit dw the one-hot
+#                 part is added in fp32, so dw's error stays below torch's; an fp32 dw, not
+#                 rounded again, keeps it folded into E). "auto" takes it for an fp32 dw (the
+#                 fp32 master weight under autocast), and for a bf16 dw unless the fp32
+#                 accumulator leaves the chunks at MIN_ROWS (1558M's width): there the
 #                 accumulator's read-modify-writes set the time, the single read was no faster
-#                 and its (n, D) scratch passed the lean bound (bench/RESULTS.md §1, run 137)
-#   order         directions of _softmax_grad_kernel's two passes over a row: "forward",
-#                 "pass1_back" or "pass2_back"; the backward orders start pass 2 on the blocks
-#                 pass 1 read last, likelier still in L2
-#   cap_regs      cap the row kernels' registers (ptxas .maxnreg, row_kernel_maxnreg) so that
-#                 per_sm programs fit on an SM at once, as the persistent grid assumes; uncapped,
-#                 ptxas's counts swing with small code changes and with vocab_size
-#   mask          how padded columns leave the softmax: "fill" writes -inf into the chunk's padded
-#                 logit columns after the logits GEMM and the row kernel runs unmasked; "kernel":
-#                 the row kernel masks from vocab_size on. Same results
-#   gemm          "cublaslt": the chunk GEMMs through fused_loss.cublaslt, each shape's algorithm
-#                 chosen on its first call by timing the heuristic's first lt_candidates
-#                 (lt_workspace bytes at most) and torch's own call; "torch": torch.mm / addmm,
-#                 cuBLAS's first pick, fixed (runs repeat bit for bit; timed picks can differ
-#                 between processes). bf16/fp16 only; fp32 GEMMs stay torch's
-_CHOICES = dict(
-    single_read="auto",
-    order="pass1_back",
-    cap_regs=True,
-    mask="fill",
-    gemm="cublaslt",
-    lt_candidates=16,
-    lt_workspace=0,
-    logits="triton",
-)
-ORDERS = ("forward", "pass1_back", "pass2_back")
+#                 and its (n, D) scratch passed the lean bound
 # fmt: off
 LAUNCH = {
     "cuda": dict(
         BV=4096, BD=256, num_warps=8, per_sm=4, one_hot_rows=8, one_hot_cols=64, one_hot_steps=32,
-        **_CHOICES,
+        single_read="auto",
     ),
     "cpu": dict(
         BV=16, BD=16, num_warps=1, per_sm=1, one_hot_rows=4, one_hot_cols=16, one_hot_steps=2,
-        **_CHOICES,
+        single_read="auto",
     ),
 }
 # fmt: on
+# The chunk GEMMs (bf16/fp16; fp32 GEMMs stay torch's): each shape's algorithm is chosen on its
+# first call by timing the cuBLASLt heuristic's first LT_CANDIDATES (LT_WORKSPACE bytes of
+# workspace at most) and torch's own call (kernels/cublaslt.py)
+LT_CANDIDATES = 16
+LT_WORKSPACE = 0
 REGS_PER_SM = 65536  # 32-bit registers per SM on sm_70 .. sm_90
 REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kernel rebases a row
 # Extra memory a call may hold: the (n, V) buffer plus, when the weight is not fp32, the fp32 dw
@@ -87,7 +70,7 @@ REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kerne
 # autocast, or no gradient) a chunk on the GPU has at least MIN_CHUNK_ELEMENTS // D rows, more than
 # the allowance gives below 1600 wide: a chunk has fixed costs (seven launches, a read-modify-write
 # of the fp32 dw) that fewer, larger chunks pay less often. The size was chosen by timing at 768 to
-# 1600 wide (bench/RESULTS.md §1, runs 133-134); the trainer has the memory to spare.
+# 1600 wide (bench/RESULTS.md#fused-loss); the trainer has the memory to spare.
 EXTRA_BYTES = 320 * 2**20
 MIN_ROWS = 1024
 MIN_CHUNK_ELEMENTS = 5 * 2**20
@@ -141,29 +124,24 @@ def accumulator_parts(V, cast_bytes, buffer_bytes, max_parts=8, align=1):
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
-def _gemm(out, a, b, cfg, accumulate=False, tune_accumulate=False):
+def _gemm(out, a, b, accumulate=False, tune_accumulate=False):
     """out = a @ b, or += when accumulate; a, b in the compute dtype, out in it or fp32 (fp32
     accumulation either way). tune_accumulate: a first, overwriting call of a GEMM whose later
     calls accumulate, so that cuBLASLt times its candidates as accumulating calls.
 
-    CUDA bf16/fp16 with gemm="cublaslt": the fastest of cuBLASLt's candidates and torch's own call,
-    timed on the first call of each shape (LAUNCH); else torch (cuBLAS's first pick).
+    CUDA bf16/fp16: the fastest of cuBLASLt's candidates and torch's own call, timed on the first
+    call of each shape (LT_CANDIDATES, LT_WORKSPACE); else torch (cuBLAS's first pick).
     """
     beta = 1 if accumulate else 0
-    if (
-        a.device.type == "cuda"
-        and cfg["gemm"] == "cublaslt"
-        and a.dtype != torch.float32
-        and cublaslt.available()
-    ):
+    if a.device.type == "cuda" and a.dtype != torch.float32 and cublaslt.available():
         cublaslt.matmul(
             a,
             b,
             out,
             beta=beta,
             tune_beta=1 if tune_accumulate else None,
-            candidates=cfg["lt_candidates"],
-            max_workspace=cfg["lt_workspace"],
+            candidates=LT_CANDIDATES,
+            max_workspace=LT_WORKSPACE,
             reference=functools.partial(_torch_gemm, out),
         )
     else:
@@ -181,14 +159,14 @@ def _torch_gemm(out, beta, a, b):
         torch.addmm(out, a.float(), b.float(), beta=beta, out=out)
 
 
-def _accumulate_dw(accs, parts, g_t, xs, first, cfg):
+def _accumulate_dw(accs, parts, g_t, xs, first):
     """accs[k] = (or +=) g_t[a:b] @ xs for each row range (a, b) of dw: fp32 accumulation.
 
     A function so that no loop variable outlives the chunk loop: one left referencing the last
-    part kept it alive through the casts (one more part's memory at the peak).
+    part would keep it alive through the casts (one more part's memory at the peak).
     """
     for (a, b), acc in zip(parts, accs, strict=True):
-        _gemm(acc, g_t[a:b], xs, cfg, accumulate=not first, tune_accumulate=first)
+        _gemm(acc, g_t[a:b], xs, accumulate=not first, tune_accumulate=first)
 
 
 def _subtract_one_hot(accs, parts, db, y, h, x, cfg):
@@ -226,31 +204,20 @@ def row_kernel_maxnreg(num_warps, per_sm):
 
 
 def use_single_read(option, compute_dtype, dw_dtype, roomy=True):
-    """The single-read kernel or not, for LAUNCH' single_read option (True, False, "auto");
+    """The single-read kernel or not, for LAUNCH's single_read option (True, False, "auto");
     roomy: the allowance leaves the chunks above MIN_ROWS once dw's accumulator is held."""
     if option == "auto":
         option = dw_dtype == torch.float32 or roomy
     return option and compute_dtype != torch.float16  # E reaches e^60: not for fp16
 
 
-def row_kernel_setup(cfg, cuda, vocab_size, V):
-    """The row kernels' launch from a LAUNCH entry: (options, order, fill, mask_cols).
-
-    options: compile options (num_warps, and maxnreg when cap_regs on CUDA); order: the two-read
-    kernel's PASS1_BACK / PASS2_BACK constexprs; fill: write -inf into the padded logit columns
-    after the logits GEMM; mask_cols: the column from which the kernels treat logits as -inf.
-    """
-    if cfg["mask"] not in ("kernel", "fill"):
-        raise ValueError(f"LAUNCH mask: kernel or fill, not {cfg['mask']!r}")
-    if cfg["order"] not in ORDERS:
-        raise ValueError(f"LAUNCH order: one of {ORDERS}, not {cfg['order']!r}")
-    fill = cfg["mask"] == "fill" and vocab_size < V
-    mask_cols = V if fill else vocab_size
-    order = dict(PASS1_BACK=cfg["order"] == "pass1_back", PASS2_BACK=cfg["order"] == "pass2_back")
+def row_kernel_options(cfg, cuda):
+    """The row kernels' compile options from a LAUNCH entry: num_warps and, on CUDA, the register
+    cap (maxnreg) that keeps per_sm programs on an SM at once."""
     options = dict(num_warps=cfg["num_warps"])
-    if cuda and cfg["per_sm"] and cfg["cap_regs"]:
+    if cuda:
         options["maxnreg"] = row_kernel_maxnreg(cfg["num_warps"], cfg["per_sm"])
-    return options, order, fill, mask_cols
+    return options
 
 
 def lce_pass(
@@ -284,14 +251,12 @@ def lce_pass(
         return loss, lse, x.new_empty(0), x.new_empty(0), no_db  # distinct: outputs never alias
     acc_bytes = V * D * 4 if want_grad and dw_dtype != torch.float32 else 0
     n = rows_per_chunk(N, V, D, x.element_size(), acc_bytes, cuda)
-    programs = _num_sms(dev.index) * cfg["per_sm"] if cuda and cfg["per_sm"] else n
+    programs = _num_sms(dev.index) * cfg["per_sm"] if cuda else n
     roomy = EXTRA_BYTES - acc_bytes >= MIN_ROWS * V * x.element_size()
     single = use_single_read(cfg["single_read"], x.dtype, dw_dtype, roomy)
     # the options live in _softmax_grad_kernel and in exp_gemm's kernels (label smoothing only
     # in the former: its constant term times the softcap's derivative is no row scale of E)
-    exp_epilogue = (
-        single and cfg["logits"] == "triton" and exp_gemm.applies(x, w) and not label_smoothing
-    )
+    exp_epilogue = single and exp_gemm.applies(x, w) and not label_smoothing
     options = has_bias or softcap is not None or z_loss or label_smoothing or want_lse
     single = single and (exp_epilogue or not options)
     bias = bias.contiguous() if has_bias else None
@@ -306,7 +271,7 @@ def lce_pass(
         state = exp_gemm.scratch(n, V, dev)
         exp_gemm.start(x[:n], w, y[:n], buf, state, **gemm_kw)
     else:
-        _gemm(buf, x[:n], w.t(), cfg)
+        _gemm(buf, x[:n], w.t())
     g = g() if callable(g) else g
     losses = torch.empty(N, device=dev, dtype=torch.float32)
     lse = torch.empty(N if want_lse else 0, device=dev, dtype=torch.float32)
@@ -326,7 +291,10 @@ def lce_pass(
         if want_grad:
             p = torch.empty((n, D), device=dev, dtype=torch.float32)  # E @ w of a chunk
             xs_scaled = torch.empty((n, D), device=dev, dtype=x.dtype)  # f * x of a chunk
-    row_options, order, fill, mask_cols = row_kernel_setup(cfg, cuda, vocab_size, V)
+    # the padded logit columns get -inf after the logits GEMM, and the row kernels read every
+    # column up to V (mask_cols = V): loads masked at a multiple of 16 vectorise
+    fill = vocab_size < V
+    row_options = row_kernel_options(cfg, cuda)
     launch = dict(
         G_PER_ROW=g_per_row, WRITE_G=want_grad, BV=cfg["BV"], INTERPRETED=not cuda, **row_options
     )
@@ -356,18 +324,18 @@ def lce_pass(
             )  # fmt: skip
         else:
             if i:  # the first one was queued above
-                _gemm(z, xs, w.t(), cfg)
+                _gemm(z, xs, w.t())
             if fill:
                 z[:, vocab_size:].fill_(float("-inf"))
             args = (z, ys, gs, losses[c0 : c0 + rows]) + ((f, hs) if single else ())
-            args += (rows, V, vocab_size, mask_cols, z.stride(0), ignore_index)
+            args += (rows, V, vocab_size, V, z.stride(0), ignore_index)
             grid = (min(rows, programs),)
             if single:  # z -> E in place, f = g / S, h
                 triton_kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, HOT=hot, **launch)
             else:  # z -> G in place
                 lse_out = losses if lses is None else lses
                 triton_kernels._softmax_grad_kernel[grid](
-                    *args, **order, **launch, **(features | dict(lse_ptr=lse_out))
+                    *args, **launch, **(features | dict(lse_ptr=lse_out))
                 )
         if not want_grad:
             continue
@@ -377,15 +345,15 @@ def lce_pass(
                 HAS_F=single, ACCUMULATE=i > 0, **sums,
             )  # fmt: skip
         if single:  # dx = f * (E @ w) - h * w[y], dw += E.T @ (f * x) - onehot(y).T @ (h * x)
-            _gemm(p[:rows], z, w, cfg)
+            _gemm(p[:rows], z, w)
             triton_kernels._row_scale_kernel[(rows,)](p, f, dxs, w, ys, hs, D, HOT=hot, **scale)
             triton_kernels._row_scale_kernel[(rows,)](
                 xs, f, xs_scaled, xs, ys, hs, D, HOT=False, **scale
             )  # fmt: skip
-            _accumulate_dw(accs, parts, z.t(), xs_scaled[:rows], first=i == 0, cfg=cfg)
+            _accumulate_dw(accs, parts, z.t(), xs_scaled[:rows], first=i == 0)
         else:  # dx = G @ w, dw += G.T @ x
-            _gemm(dxs, z, w, cfg)
-            _accumulate_dw(accs, parts, z.t(), xs, first=i == 0, cfg=cfg)
+            _gemm(dxs, z, w)
+            _accumulate_dw(accs, parts, z.t(), xs, first=i == 0)
     del buf, z, args, state  # free the buffer before the cast allocates dw in its dtype
     db = no_db
     if hot:

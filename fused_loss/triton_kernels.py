@@ -21,7 +21,7 @@ buffer, so the (N, V) logits never exist: cuBLAS writes the chunk's z into the b
 dtype, fp32 accumulation), _softmax_grad_kernel turns it into G in place and writes the losses,
 then cuBLAS forms dx of the chunk and adds G.T @ x into an fp32 dw. Each logit is computed once
 (3 GEMMs: z, dx, dw); the elementwise work is two reads and one write of the buffer (one of each
-in the single-read variant).
+in the single-read kernel).
 
 _softmax_grad_kernel, one program per row at a time (persistent over rows):
   pass 1   per-lane running max m and sum s over the real columns with one exp per element
@@ -32,22 +32,20 @@ _softmax_grad_kernel, one program per row at a time (persistent over rows):
            confident).
   pass 2   G = g_n (exp(z - lse) - onehot) over all V columns (0 past Vr), rounded once to the
            buffer's dtype, overwriting z. The row was just read, but with hundreds of ~100 KB
-           rows in flight its re-read in the same order as pass 1 starts on the blocks least
-           likely to be left in L2. So by default pass 1 runs backward (PASS1_BACK: from the
-           row's last block to its first) and pass 2 forward from the blocks just read;
-           PASS2_BACK is the mirror image (LAUNCH "order").
+           rows in flight a re-read in the same order as pass 1 would start on the blocks least
+           likely to be left in L2. So pass 1 runs backward (from the row's last block to its
+           first) and pass 2 forward, from the blocks just read.
 
-Padded columns (vocab_size < V) are out of the softmax either way: the kernels treat columns from
-mask_cols on as -inf, where mask_cols is vocab_size, or V once the launcher has written -inf into
-the chunk's padded logit columns (LAUNCH mask="fill", the default). The two differ in cost, not
-in results: an odd mask_cols (50257) compiles to per-element compares that raise the register
-count (LAUNCH "cap_regs"); mask_cols = V compiles to the unmasked kernel.
+Padded columns (vocab_size < V) are out of the softmax: the launcher writes -inf into the
+chunk's padded logit columns after the logits GEMM and passes mask_cols = V, the column from
+which the kernels read logits as -inf, so that every load is masked at V, a multiple of 16 whose
+loads vectorise (loads masked at an odd vocab_size, 50257, do not).
 A target outside [0, vocab_size) that is not ignore_index gets a NaN loss (_target): it is never
 used as an index.
 
-Single-read variant (LAUNCH "single_read"; the launcher says when it is the default). The second
-read above is there because exp() needs the row's lse before G can be written. Writing
-instead E_nv = exp(z_nv - c_n), c_n = max of the row's first block (<= the row max), gives
+Single-read kernel (the launcher's use_single_read says when it runs). The second read above is
+there because exp() needs the row's lse before G can be written. Writing instead
+E_nv = exp(z_nv - c_n), c_n = max of the row's first block (<= the row max), gives
     G = diag(f) E - diag(h) onehot(y),   f_n = g_n / S_n,  S_n = sum_v E_nv,  h_n = g_n
 with ONE scale per row, so the row is read and written once (_exp_rows_kernel), and the scales
 move outside the GEMMs: dx = diag(f) (E @ w) - diag(h) w[y] (_row_scale_kernel, from an fp32 GEMM
@@ -59,30 +57,22 @@ would carry two (E_y - S and f * x). When p_y >= 1/2 the one-hot is folded in in
 since there G_y = g (p_y - 1) is small and f E_y ~ g would lose it. The rounding of f * x stays
 one more than torch's path has, on the softmax part of G only. Out of E, the one-hot costs a sort
 of the targets and two launches a call (_one_hot_pieces_kernel, _one_hot_runs_kernel: 2-3 % of
-the call, bench/RESULTS.md §1, runs 137-138), so the launcher takes it (HOT) only where dw is
+the call, bench/RESULTS.md#fused-loss), so the launcher takes it (HOT) only where dw is
 rounded to 16 bits at the end, where the two folded roundings pass torch's error; an fp32 dw (the
 master weight) keeps the fold on every row, h unused, its error then torch's.
 A block whose max passes c + REBASE (60 nats; e^60 * V still fits fp32) raises c to that max and
 rescales the row's already written E (rare: only rows whose first block is far below their max).
 
-Under the CPU interpreter (INTERPRETED) fp32 -> bf16 casts are rounded to nearest by hand, because
-the interpreter truncates (seen with triton 3.9; the GPU path is untouched).
+Under the CPU interpreter (INTERPRETED) the stores' fp32 -> bf16 casts go through
+kernels.interpreter.to_dtype, which rounds as the GPU does.
 """
 
 import triton
 import triton.language as tl
 
+from kernels.interpreter import to_dtype
+
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: compiled kernels may read no other global
-
-
-@triton.jit
-def _cast(v, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """v.to(dtype), rounding to nearest-even for bf16 under the interpreter (which truncates)."""
-    if INTERPRETED and dtype == tl.bfloat16:
-        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        v = bits.to(tl.float32, bitcast=True)
-    return v.to(dtype)
 
 
 @triton.jit
@@ -167,7 +157,7 @@ def _softmax_grad_kernel(
     n_rows,
     V,
     vocab_size,  # targets must lie in [0, vocab_size)
-    mask_cols,  # columns from here on are -inf: vocab_size, or V when the launcher filled them
+    mask_cols,  # columns from here on are read as -inf (V: the launcher wrote -inf into them)
     stride_z,
     ignore_index,
     b_ptr,  # (V,) bias, when HAS_BIAS
@@ -178,8 +168,6 @@ def _softmax_grad_kernel(
     G_PER_ROW: tl.constexpr,
     WRITE_G: tl.constexpr,
     BV: tl.constexpr,
-    PASS1_BACK: tl.constexpr,  # pass 1 from the row's last block to its first
-    PASS2_BACK: tl.constexpr,  # pass 2 likewise
     HAS_BIAS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     Z_LOSS: tl.constexpr,
@@ -199,8 +187,7 @@ def _softmax_grad_kernel(
         su = tl.zeros((BV,), tl.float32)  # sum of the real logits, for label smoothing
         n_real = tl.cdiv(mask_cols, BV)
         for i in range(0, n_real):
-            v0 = (n_real - 1 - i) * BV if PASS1_BACK else i * BV
-            cols = v0 + lanes
+            cols = (n_real - 1 - i) * BV + lanes  # backward: pass 2 starts on the last read
             z = _load_logits(z_row, cols, V, mask_cols)
             z = _logits(z, cols, V, b_ptr, softcap, HAS_BIAS, SOFTCAP)
             if SMOOTH:
@@ -233,8 +220,7 @@ def _softmax_grad_kernel(
             y_hot = tl.where(ok, y, -1)  # no one-hot for an out-of-range target
             n_blocks = tl.cdiv(V, BV)
             for i in range(0, n_blocks):
-                v0 = (n_blocks - 1 - i) * BV if PASS2_BACK else i * BV
-                cols = v0 + lanes
+                cols = i * BV + lanes
                 z = _load_logits(z_row, cols, V, mask_cols)
                 z = _logits(z, cols, V, b_ptr, softcap, HAS_BIAS, SOFTCAP)
                 p = tl.exp2(z * LOG2E - lse2)  # 0 past vocab_size
@@ -246,7 +232,7 @@ def _softmax_grad_kernel(
                 else:
                     grad = g * (p - tl.where(cols == y_hot, 1.0, 0.0))
                 tl.store(
-                    z_row + cols, _cast(grad, z_ptr.dtype.element_ty, INTERPRETED), mask=cols < V
+                    z_row + cols, to_dtype(grad, z_ptr.dtype.element_ty, INTERPRETED), mask=cols < V
                 )
 
 
@@ -292,11 +278,11 @@ def _exp_rows_kernel(
                 if WRITE_G:
                     for u0 in range(0, v0, BV):
                         old = tl.load(z_row + u0 + lanes).to(tl.float32)
-                        tl.store(z_row + u0 + lanes, _cast(old * scale, out_ty, INTERPRETED))
+                        tl.store(z_row + u0 + lanes, to_dtype(old * scale, out_ty, INTERPRETED))
             e = tl.exp2((z - c) * LOG2E)  # 0 past vocab_size
             s += e
             if WRITE_G:
-                tl.store(z_row + cols, _cast(e, out_ty, INTERPRETED), mask=cols < V)
+                tl.store(z_row + cols, to_dtype(e, out_ty, INTERPRETED), mask=cols < V)
         S = tl.sum(s, axis=0)
         lse = c + tl.log(S)
         tl.store(loss_ptr + r, _row_loss(valid, ok, lse, z_y))
@@ -309,7 +295,7 @@ def _exp_rows_kernel(
                 fold = ok & (2.0 * e_y >= S)
                 tl.store(h_ptr + r, tl.where(fold | ~ok, 0.0, g))
             if fold:
-                tl.store(z_row + y, _cast(e_y - S, out_ty, INTERPRETED))
+                tl.store(z_row + y, to_dtype(e_y - S, out_ty, INTERPRETED))
 
 
 @triton.jit
@@ -336,7 +322,9 @@ def _row_scale_kernel(
         v = f * tl.load(src_ptr + r * D + k + ks, mask=ok, other=0.0).to(tl.float32)
         if HOT:
             v -= h * tl.load(w_row + k + ks, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + r * D + k + ks, _cast(v, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
+        tl.store(
+            out_ptr + r * D + k + ks, to_dtype(v, out_ptr.dtype.element_ty, INTERPRETED), mask=ok
+        )
 
 
 @triton.jit
@@ -451,7 +439,7 @@ def _scale_kernel(src_ptr, g_ptr, dst_ptr, numel, BLOCK: tl.constexpr, INTERPRET
     ok = offs < numel
     g = tl.load(g_ptr)
     v = tl.load(src_ptr + offs, mask=ok, other=0.0).to(tl.float32) * g
-    tl.store(dst_ptr + offs, _cast(v, dst_ptr.dtype.element_ty, INTERPRETED), mask=ok)
+    tl.store(dst_ptr + offs, to_dtype(v, dst_ptr.dtype.element_ty, INTERPRETED), mask=ok)
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 # Without a GPU, run the real Triton kernels in Triton's CPU interpreter. Set before anything
-# imports fused_loss: triton.jit reads it when the kernels are defined.
+# imports fused_loss or kernels: triton.jit reads it when the kernels are defined.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -1,13 +1,14 @@
-"""fused_loss/adamw.py: MultiTensorAdamW against torch.optim.AdamW (the reference), on CPU through
-the Triton interpreter and on CUDA."""
+"""kernels/adamw.py: MultiTensorAdamW against adamw_reference (and torch.optim.AdamW, which the
+reference must match), on CPU through the Triton interpreter and on CUDA."""
 
 import math
 
 import pytest
 import torch
+from sm90 import compile_for_sm90, needs_nvidia_backend
 
 from core import optim
-from fused_loss.adamw import MultiTensorAdamW
+from kernels.adamw import MultiTensorAdamW, adamw_reference, total_norm_reference
 
 CUDA = pytest.param(
     "cuda",
@@ -35,27 +36,35 @@ def _groups(params):
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("layout", sorted(SHAPES))
 @pytest.mark.parametrize("scale", [None, 3.0])
-def test_matches_torch_adamw(device, layout, scale):
-    """Three steps, two weight decays, grads divided by grad_scale when it is set; a parameter
-    without a grad is skipped (no state, unchanged), as torch's AdamW skips it."""
+def test_matches_the_reference_and_torch_adamw(device, layout, scale):
+    """Three steps, two weight decays, grads divided by grad_scale when it is set, against
+    adamw_reference; the reference itself against torch.optim.AdamW (given the divided grads). A
+    parameter without a grad is skipped (no state, unchanged), as torch's AdamW skips it."""
     start, grads = _params(SHAPES[layout] + [(8,)], device)
     ours = [torch.nn.Parameter(t.clone()) for t in start]
-    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    torch_params = [torch.nn.Parameter(t.clone()) for t in start]
     opt = MultiTensorAdamW(_groups(ours), **HYPER)
-    ref_opt = torch.optim.AdamW(_groups(ref), **HYPER, foreach=False)
+    torch_opt = torch.optim.AdamW(_groups(torch_params), **HYPER, foreach=False)
+    ref = [t.clone() for t in start[:-1]]  # the reference's state: p, m, v of the grad-holders
+    ms, vs = [torch.zeros_like(t) for t in ref], [torch.zeros_like(t) for t in ref]
+    wds = [0.1] + [0.0] * (len(ref) - 1)  # _groups': decay on the first tensor only
     if scale is not None:
         opt.grad_scale = torch.full((), scale, device=device)
-    for step_grads in grads:
-        for p, q, g in zip(ours[:-1], ref[:-1], step_grads, strict=False):
+    for t, step_grads in enumerate(grads, start=1):
+        for p, q, g in zip(ours[:-1], torch_params[:-1], step_grads, strict=False):
             p.grad, q.grad = g.clone(), g / (scale or 1.0)
         opt.step()
-        ref_opt.step()
-    for p, q in zip(ours, ref, strict=True):
-        torch.testing.assert_close(p.data, q.data, rtol=1e-6, atol=1e-7)
-    for p, q in zip(ours[:-1], ref[:-1], strict=True):
-        for key in ("exp_avg", "exp_avg_sq"):
-            got, want = opt.state[p][key], ref_opt.state[q][key]
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        torch_opt.step()
+        adamw_reference(ref, step_grads[: len(ref)], ms, vs, t, lr=HYPER["lr"],
+                        betas=HYPER["betas"], eps=HYPER["eps"], weight_decays=wds,
+                        grad_scale=scale)  # fmt: skip
+    for p, r, q in zip(ours, ref, torch_params, strict=False):
+        torch.testing.assert_close(p.data, r, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(r, q.data, rtol=1e-6, atol=1e-7)
+    for p, m, v, q in zip(ours[:-1], ms, vs, torch_params[:-1], strict=True):
+        for key, want in (("exp_avg", m), ("exp_avg_sq", v)):
+            torch.testing.assert_close(opt.state[p][key], want, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(want, torch_opt.state[q][key], rtol=1e-6, atol=1e-7)
         assert opt.state[p]["step"].item() == 3
     assert not opt.state[ours[-1]] and torch.equal(ours[-1].data, start[-1])
     moved = max((p.data - t).abs().max().item() for p, t in zip(ours, start, strict=True))
@@ -70,7 +79,7 @@ def test_total_norm(device, layout):
     for p, g in zip(params, grads[0], strict=True):
         p.grad = g
     got = MultiTensorAdamW(_groups(params), **HYPER).total_norm()
-    want = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads[0]]))
+    want = total_norm_reference(grads[0])
     assert got.device == want.device and got.item() == pytest.approx(want.item(), rel=1e-6)
 
 
@@ -90,7 +99,7 @@ def test_clipped_step_with_multi_tensor_adamw(device, max_norm):
         norm = optim.clipped_step(opt, ours, max_norm)
         torch.nn.utils.clip_grad_norm_(ref, max_norm)
         ref_opt.step()
-        want = torch.linalg.vector_norm(torch.cat([g.flatten() for g in step_grads]))
+        want = total_norm_reference(step_grads)
         assert norm.item() == pytest.approx(want.item(), rel=1e-6)
     for p, q in zip(ours, ref, strict=True):
         torch.testing.assert_close(p.data, q.data, rtol=1e-6, atol=1e-7)
@@ -153,3 +162,44 @@ def test_resumed_torch_adamw_keeps_its_kernel_flags():
         torch.testing.assert_close(m, ours.state[params[0]]["exp_avg"])
         theirs.step()  # the loaded state is usable by that kernel
         assert all(theirs.state[p]["step"].item() == 2 for p in params)
+
+
+# The kernels read every tensor through a table of raw addresses, which hides their alignment
+# from the compiler: ALIGNED=True restores it (tl.multiple_of). Without it the loads are 4 bytes
+# wide; with it they must be 16 (p, g, m, v: 4 per thread each at BLOCK=4096).
+COMPILE = r"""
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import adamw
+
+def build(fn, sig, aligned):
+    consts = dict(BLOCK=adamw.BLOCK, ALIGNED=aligned)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n][0] == "*"}
+    src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}),
+                    constexprs=consts, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=adamw.NUM_WARPS)).asm["ptx"]
+    return [len(re.findall(rf"{op}\.global(?:\.\w+)*\.v4\.b32", ptx)) for op in ("ld", "st")]
+
+tables = dict(ptrs="*i64", numels="*i64")
+blocks = dict(block_tensor="*i32", block_start="*i64")
+step = dict(tables, wds="*fp32", **blocks, scale_ptr="*fp32", T="i32",
+            **{k: "fp32" for k in ("lr", "beta1", "beta2", "eps", "step_size", "bc2_sqrt")})
+norm = dict(tables, **blocks, partial="*fp32", T="i32")
+print(json.dumps({f"{name} {aligned}": build(fn, sig, aligned)
+                  for name, fn, sig in (("adamw", adamw._adamw_kernel, step),
+                                        ("sumsq", adamw._sumsq_kernel, norm))
+                  for aligned in (True, False)}))
+"""
+
+
+@needs_nvidia_backend
+def test_adamw_kernels_compile_with_16_byte_accesses():
+    got = compile_for_sm90(COMPILE)
+    assert got == {
+        "adamw True": [16, 12],  # p, g, m, v loaded; p, m, v stored
+        "adamw False": [0, 0],
+        "sumsq True": [4, 0],
+        "sumsq False": [0, 0],
+    }

@@ -1,52 +1,13 @@
-"""fused_loss/colsum.py (bias-gradient column sums, the qkv gradient laid out in the same pass)
-and fused_loss/attention.py (c_attn + cuDNN attention as one op: model.attn_impl)."""
+"""kernels/attention.py: c_attn + cuDNN attention as one op (model.attn_impl) and c_proj with the
+residual add in its epilogue, against attention_reference / proj_residual_reference."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from fused_loss import attention, colsum
+from kernels import attention
 from model import GPT, GPTConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("M, C", [(1000, 48), (77, 40), (3, 16)])
-def test_qkv_grad_lays_out_and_sums_the_three_parts(M, C, dtype):
-    """The concatenation bit for bit; the sums against fp64 within fp32 summation error (M
-    terms of size ~1: a few ulps of fp32 at these M), also for parts with a wider row stride."""
-    g = torch.Generator(DEV).manual_seed(M + C)
-    wide = torch.randn(3, M, C + 8, device=DEV, generator=g).to(dtype)
-    parts = [wide[i, :, :C] for i in range(3)]  # row stride C + 8
-    cat, sums = colsum.qkv_grad(*parts)
-    want = torch.cat(parts, dim=1)
-    assert torch.equal(cat, want) and cat.is_contiguous()
-    assert sums.dtype == torch.float32 and sums.shape == (3 * C,)
-    exact = want.double().sum(0)
-    assert (sums.double() - exact).abs().max() <= 1e-6 * M + 1e-6
-
-
-@pytest.mark.parametrize("N", [1, 37, 300])
-def test_colsum_against_fp64(N):
-    t = torch.randn(513, N, device=DEV, generator=torch.Generator(DEV).manual_seed(N))
-    for dtype in (torch.bfloat16, torch.float32):
-        x = t.to(dtype)
-        got = colsum.colsum(x)
-        assert got.dtype == torch.float32
-        assert (got.double() - x.double().sum(0)).abs().max() <= 1e-4, dtype
-        assert torch.equal(got, colsum.colsum(x))  # fixed order: the same bits every time
-
-
-def test_colsum_inputs_are_checked():
-    a = torch.zeros(8, 16, device=DEV)
-    with pytest.raises(ValueError, match="one shape and dtype"):
-        colsum.qkv_grad(a, a, torch.zeros(8, 8, device=DEV))
-    with pytest.raises(ValueError, match="one shape and dtype"):
-        colsum.qkv_grad(a, a, a.bfloat16())
-    with pytest.raises(ValueError, match="row-major"):
-        colsum.colsum(a.t())
 
 
 def test_attn_impl_is_checked_and_falls_back_off_hopper():
@@ -66,13 +27,21 @@ def test_attn_impl_is_checked_and_falls_back_off_hopper():
     assert attention.attention_fast(x, torch.randn(96, 32), torch.randn(96), 2) is None  # CPU
 
 
-def _torch_attention(x, w, b, n_head):
-    """nanoGPT's path: c_attn, the split into heads, causal SDPA, heads merged."""
-    B, T, C = x.shape
-    q, k, v = F.linear(x, w, b).split(C, dim=2)
-    q, k, v = [t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in (q, k, v)]
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return y.transpose(1, 2).reshape(B, T, C)
+def test_attention_reference_is_causal_softmax_attention():
+    """The references themselves, in fp64 on CPU, against the attention written out: per head
+    softmax(q k^T / sqrt(hs) + causal mask) v, and r + y W^T + b."""
+    g = torch.Generator().manual_seed(0)
+    B, T, C, nh = 2, 7, 12, 3
+    x, w = torch.randn(B, T, C, generator=g).double(), torch.randn(3 * C, C, generator=g).double()
+    b = torch.randn(3 * C, generator=g).double()
+    q, k, v = (x @ w.T + b).split(C, dim=2)
+    q, k, v = [t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v)]
+    scores = q @ k.transpose(-1, -2) / (C // nh) ** 0.5
+    scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+    want = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
+    torch.testing.assert_close(attention.attention_reference(x, w, b, nh), want)
+    r, wp, bp = torch.randn_like(x), w[:C], b[:C]
+    torch.testing.assert_close(attention.proj_residual_reference(x, wp, bp, r), r + x @ wp.T + bp)
 
 
 def _grads(fn, x, w, b, dy, autocast, dtype=torch.bfloat16):
@@ -98,8 +67,10 @@ def test_gpu_attention_matches_torch(B, T, C, compiled):
     b = torch.randn(3 * C, device="cuda", generator=g) * 0.1
     dy = (torch.randn(B, T, C, device="cuda", generator=g) * 1e-2).bfloat16()
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-        ref = _grads(_torch_attention, x.double(), w.double(), b.double(), dy.double(), False)
-    theirs = _grads(_torch_attention, x, w, b, dy, True)
+        ref = _grads(
+            attention.attention_reference, x.double(), w.double(), b.double(), dy.double(), False
+        )
+    theirs = _grads(attention.attention_reference, x, w, b, dy, True)
     ours = torch.compile(attention.attention_fast, fullgraph=True) if compiled else None
     got = _grads(ours or attention.attention_fast, x, w, b, dy, True)
     for name, o, t, r in zip(("y", "dx", "dW", "db"), got, theirs, ref, strict=True):
@@ -108,20 +79,6 @@ def test_gpu_attention_matches_torch(B, T, C, compiled):
         torch_err = ((t.double() - r).norm() / r.norm()).item()
         assert err <= 1.2 * torch_err + 1e-3, (name, err, torch_err)
     assert (got[2] != got[2].bfloat16().float()).float().mean() > 0.5  # dW not a bf16 cast
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("M, C", [(32768, 768), (16384, 1600)])
-def test_gpu_qkv_grad_at_gpt2_shapes(M, C):
-    g = torch.Generator("cuda").manual_seed(C)
-    parts = [torch.randn(M, C, device="cuda", generator=g).bfloat16() for _ in range(3)]
-    cat, sums = torch.compile(colsum.qkv_grad, fullgraph=True)(*parts)
-    want, want_sums = colsum.qkv_grad_reference(*parts)
-    assert torch.equal(cat, want)
-    torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-3)
-    t = torch.randn(M, 4 * C, device="cuda", generator=g).bfloat16()
-    torch.testing.assert_close(colsum.colsum(t), t.float().sum(0), rtol=1e-5, atol=1e-3)
 
 
 def _proj_grads(fn, y, w, b, r, dout):
@@ -146,9 +103,7 @@ def test_gpu_proj_residual_matches_torch(compiled):
     r = torch.randn(B, T, C, device="cuda", generator=g).bfloat16()
     dout = (torch.randn(B, T, C, device="cuda", generator=g) * 1e-2).bfloat16()
 
-    def plain(y, w, b, r):
-        return r + F.linear(y, w, b)
-
+    plain = attention.proj_residual_reference
     ref = [t.double() for t in (y, w, b, r, dout)]
     ref_y, ref_w, ref_b, ref_r, ref_d = (t.detach().requires_grad_() for t in ref)
     out = plain(ref_y, ref_w, ref_b, ref_r)

@@ -2,7 +2,7 @@
 
 torch.compile traces GPT.forward with Dynamo, which cannot trace ctypes (it graph-breaks) and
 ignores functools.cache (it re-traces the cached body every time). So library probing
-(fused_loss/cublaslt.py loads libcublasLt through ctypes) and cached look-ups must be decided
+(kernels/cublaslt.py loads libcublasLt through ctypes) and cached look-ups must be decided
 once, outside the forward. The CPU test walks the functions the forward can call, by the names
 their bytecode loads, and fails on any such probe; the GPU test compiles with fullgraph=True for
 every fast-path switch.
@@ -17,10 +17,10 @@ import types
 import pytest
 import torch
 
-from fused_loss import cublaslt
+from kernels import cublaslt
 from model import GPT, GPTConfig
 
-OURS = ("model", "fused_loss", "data")  # modules whose functions the walk follows
+OURS = ("model", "fused_loss", "kernels", "data")  # modules whose functions the walk follows
 
 
 def _probe(obj):
@@ -30,7 +30,7 @@ def _probe(obj):
     if isinstance(obj, functools._lru_cache_wrapper):
         return "a functools.cache function (Dynamo re-traces its body at every call)"
     if callable(obj) and getattr(obj, "__module__", None) == cublaslt.__name__:
-        return "fused_loss.cublaslt's Python side (ctypes)"
+        return "kernels.cublaslt's Python side (ctypes)"
     return None
 
 
@@ -101,8 +101,8 @@ def _forward_roots(model):
     return [(type(m).forward, type(m)) for m in model.modules() if "forward" in vars(type(m))]
 
 
-@pytest.mark.parametrize("mlp_impl", ["torch", "cublaslt"])
-@pytest.mark.parametrize("loss_impl", ["torch", "fused"])
+@pytest.mark.parametrize("mlp_impl", ["torch", "fast"])
+@pytest.mark.parametrize("loss_impl", ["torch", "fast"])
 def test_forward_reaches_no_library_probe(loss_impl, mlp_impl):
     """Nothing the training forward can call probes a library or hides behind functools.cache."""
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, loss_impl=loss_impl, mlp_impl=mlp_impl))
@@ -110,8 +110,8 @@ def test_forward_reaches_no_library_probe(loss_impl, mlp_impl):
     assert not found, found
     # the walk is not vacuous: it reaches the fast paths' entry points
     from fused_loss import fused_linear_cross_entropy
-    from fused_loss.attention import attention_fast
-    from fused_loss.mlp import mlp_cublaslt
+    from kernels.attention import attention_fast
+    from kernels.mlp import mlp_cublaslt
 
     assert {fused_linear_cross_entropy, mlp_cublaslt, attention_fast} <= seen
 
@@ -140,8 +140,8 @@ def test_the_walk_finds_a_probe():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("attn_impl", ["torch", "fast"])
 @pytest.mark.parametrize("low_precision_residual", [True, False])
-@pytest.mark.parametrize("mlp_impl", ["torch", "cublaslt"])
-@pytest.mark.parametrize("loss_impl", ["torch", "fused"])
+@pytest.mark.parametrize("mlp_impl", ["torch", "fast"])
+@pytest.mark.parametrize("loss_impl", ["torch", "fast"])
 def test_gpu_fullgraph_for_every_switch(loss_impl, mlp_impl, low_precision_residual, attn_impl):
     """torch.compile(fullgraph=True) of a training step (bf16 autocast, fp32 weights) for every
     fast-path switch: a graph break raises; the loss matches eager mode's."""
@@ -157,7 +157,7 @@ def test_gpu_fullgraph_for_every_switch(loss_impl, mlp_impl, low_precision_resid
         attn_impl=attn_impl,
     )
     model = GPT(cfg).cuda()
-    assert model.transformer.h[0].mlp.use_cublaslt == (mlp_impl == "cublaslt")
+    assert model.transformer.h[0].mlp.use_cublaslt == (mlp_impl == "fast")
     assert model.transformer.h[0].attn.use_fast == (attn_impl == "fast")
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)

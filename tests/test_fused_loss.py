@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fused_loss.linear_cross_entropy as fl
-from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
+from fused_loss import exp_gemm, fused_linear_cross_entropy, linear_cross_entropy_reference
 
 CUDA = torch.cuda.is_available()
 needs_kernels = pytest.mark.skipif(
@@ -198,46 +198,14 @@ def test_many_chunks(monkeypatch):
         _check(x, w, t, 90, "none", torch.rand(150))
 
 
-@needs_kernels
-@pytest.mark.parametrize("order", ["pass2_back", "pass1_back"])
-def test_pass_order_changes_nothing(order, monkeypatch):
-    """The direction of the row passes changes which blocks may still be cached, not the math:
-    pass 2 writes independent elements (bit-identical); pass 1 sums in another order (fp32)."""
-    x, w, t = _make(37, 24, 83, 80, torch.bfloat16, "cuda" if CUDA else "cpu", ignore_frac=0.2)
-    outs = []
-    for o in ("forward", order):
-        for cfg in fl.LAUNCH.values():
-            monkeypatch.setitem(cfg, "order", o)
-        outs.append(_run(fused_linear_cross_entropy, x, w, t, torch.tensor(1.0), vocab_size=80))
-    if order == "pass2_back":
-        assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
-    else:  # the loss (fp32) stays within summation noise; gradients are checked against float64
-        torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=0)
-    _check(x, w, t, 80, "mean", torch.tensor(1.0))  # the new order against float64
-
-
 def test_register_cap_fits_the_programs_per_sm():
     assert fl.row_kernel_maxnreg(8, 4) == 64  # 65536 registers / (4 programs x 256 threads)
     assert fl.row_kernel_maxnreg(16, 2) == 64
     assert fl.row_kernel_maxnreg(8, 3) == 80  # 85, rounded down to ptxas's granularity of 8
     assert fl.row_kernel_maxnreg(4, 1) == 248  # below the 255 a thread can address
-    cfg = dict(fl.LAUNCH["cuda"], cap_regs=True, num_warps=8, per_sm=4, mask="fill")
-    options, _, fill, mask_cols = fl.row_kernel_setup(cfg, True, 50257, 50304)
-    assert options == dict(num_warps=8, maxnreg=64) and fill and mask_cols == 50304
-    options, _, fill, mask_cols = fl.row_kernel_setup(cfg, False, 50304, 50304)  # interpreter
-    assert options == dict(num_warps=8) and not fill and mask_cols == 50304
-    with pytest.raises(ValueError, match="LAUNCH mask"):
-        fl.row_kernel_setup(dict(cfg, mask="zero"), True, 10, 10)
-
-
-def test_row_kernel_setup_orders_and_bad_options():
-    cfg = dict(fl.LAUNCH["cuda"], mask="kernel")
-    for o in fl.ORDERS:
-        _, order, fill, mask_cols = fl.row_kernel_setup(dict(cfg, order=o), True, 50257, 50304)
-        assert order == dict(PASS1_BACK=o == "pass1_back", PASS2_BACK=o == "pass2_back")
-        assert not fill and mask_cols == 50257  # the kernel masks from vocab_size on
-    with pytest.raises(ValueError, match="LAUNCH order"):
-        fl.row_kernel_setup(dict(cfg, order="backward"), True, 10, 10)
+    cfg = dict(fl.LAUNCH["cuda"], num_warps=8, per_sm=4)
+    assert fl.row_kernel_options(cfg, cuda=True) == dict(num_warps=8, maxnreg=64)
+    assert fl.row_kernel_options(cfg, cuda=False) == dict(num_warps=8)  # the interpreter
 
 
 def test_single_read_auto_leaves_out_fp16_and_crowded_accumulators():
@@ -252,20 +220,16 @@ def test_single_read_auto_leaves_out_fp16_and_crowded_accumulators():
 
 
 @needs_kernels
-@pytest.mark.parametrize("mask", ["kernel", "fill"])
-def test_padded_rows_are_inert(mask, monkeypatch):
-    # Poisoning the padded rows of w must change nothing, bit for bit, and their grad stays 0;
-    # the two ways of masking them ("fill": -inf written into the logits) agree bit for bit.
+def test_padded_rows_are_inert():
+    # Poisoning the padded rows of w must change nothing, bit for bit, and their grad stays 0
+    # (the launcher writes -inf into their logit columns)
     x, w, t = _make(40, 32, 80, 70, torch.bfloat16, "cpu", ignore_frac=0.2, seed=3)
-    kernel_masked = _run(fused_linear_cross_entropy, x, w, t, torch.tensor(1.0), vocab_size=70)
-    for cfg in fl.LAUNCH.values():
-        monkeypatch.setitem(cfg, "mask", mask)
     clean = _run(fused_linear_cross_entropy, x, w, t, torch.tensor(1.0), vocab_size=70)
     w_bad = w.clone()
     w_bad[70:] = 3e4
     poisoned = _run(fused_linear_cross_entropy, x, w_bad, t, torch.tensor(1.0), vocab_size=70)
-    for a, b, c in zip(clean, poisoned, kernel_masked, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    for a, b in zip(clean, poisoned, strict=True):
+        assert torch.equal(a, b)
     assert (poisoned[2][70:] == 0).all()
     _check(x, w, t, 70, "mean", torch.tensor(1.0))
 
@@ -378,13 +342,13 @@ def test_dw_accumulated_in_parts(monkeypatch, reduction):
         return seen[-1]
 
     # the point of the parts is memory: each fp32 part must be freed once cast, before the casts
-    # are joined (a loop variable once kept the last one alive: +153.5 MiB at 1558M)
+    # are joined (a part kept alive to the join costs +153.5 MiB at 1558M)
     refs, joins = [], []
 
-    def accumulate(accs, parts, g_t, xs, first, cfg):
+    def accumulate(accs, parts, g_t, xs, first):
         if first:
             refs.extend(weakref.ref(a) for a in accs)
-        return fl_accumulate(accs, parts, g_t, xs, first, cfg)
+        return fl_accumulate(accs, parts, g_t, xs, first)
 
     def cat(tensors, *args, **kw):
         joins.append([r() is None for r in refs])
@@ -462,16 +426,11 @@ def test_bad_inputs_raise_clear_errors():
     "shape", [(4096, 768, 50304, 50257), (1000, 1600, 50304, 50257), (777, 200, 4099, 4001)]
 )
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("knob", ["default", "mask_kernel", "no_cap_regs", "gemm_torch"])
-def test_gpu_real_sizes(shape, reduction, knob, monkeypatch):
-    # the options timed against the default in bench/order_ab.py (--knobs, --gemm)
-    knobs = dict(
-        mask_kernel=("mask", "kernel"),
-        no_cap_regs=("cap_regs", False),
-        gemm_torch=("gemm", "torch"),
-    )
-    if knob != "default":
-        monkeypatch.setitem(fl.LAUNCH["cuda"], *knobs[knob])
+@pytest.mark.parametrize("gemm", ["cublaslt", "torch"])
+def test_gpu_real_sizes(shape, reduction, gemm, monkeypatch):
+    # gemm "torch": the chunk GEMMs where libcublasLt does not load (torch's own calls)
+    if gemm == "torch":
+        monkeypatch.setattr(fl.cublaslt, "available", lambda: False)
     N, D, V, vocab = shape
     x, w, t = _make(N, D, V, vocab, torch.bfloat16, "cuda", ignore_frac=0.05, seed=7)
     x[::7] *= 6  # some peaky rows
@@ -536,8 +495,8 @@ def test_gpu_many_chunks_fp32_master(monkeypatch):
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_single_read_dw_against_torch(row_kernel):
     # test_single_read_dw_against_torch at the 124M width and the real vocabulary: bf16 weights
-    # (the one-hot out of E: dw 1.7e-3 against torch bf16's 2.2e-3 in bench_fused_loss, run 138;
-    # folded in it was 2.9e-3, run 98), and the fp32 master weight under autocast (folded in)
+    # (the one-hot out of E: dw 1.7e-3 against torch bf16's 2.2e-3, bench/RESULTS.md#fused-loss),
+    # and the fp32 master weight under autocast (the one-hot folded into E)
     if not row_kernel:
         pytest.skip("the single read's errors; the two-read kernel's are torch's (G in bf16)")
     x, w, t = _make(4096, 768, 50304, 50257, torch.bfloat16, "cuda", ignore_frac=0.05, seed=9)
@@ -580,8 +539,6 @@ def test_exp_gemm_matches_its_torch_reference(shape, row_kernel):
     # whose p_y >= 1/2 (the one-hot folded into E), rows below the buffer's end untouched
     if not row_kernel:
         pytest.skip("calls exp_gemm directly: the row-kernel setting does not reach it")
-    from fused_loss import exp_gemm
-
     n, D, V, vocab = shape
     x, w, t = _make(n, D, V, vocab, torch.bfloat16, "cpu", ignore_frac=0.2, seed=13)
     t[3] = vocab + 1
@@ -612,23 +569,23 @@ def test_exp_gemm_matches_its_torch_reference(shape, row_kernel):
 
 
 @needs_kernels
-@pytest.mark.parametrize("logits", ["triton", "cublas"])
+@pytest.mark.parametrize("logits", ["exp_gemm", "cublas"])
 def test_single_read_dw_against_torch(logits, monkeypatch, row_kernel):
     # The one-hot term is most of G (1 against |p| ~ V^-1/2 for a flat softmax). With a bf16 dw
-    # it is added in fp32 outside the GEMMs (dw 1.7e-3 / 2.3e-3 here, dx 1.7e-3 / 2.3e-3); folded
-    # into E, E_y - S and f * x are each rounded to bf16 and dw rounded again at the end (2.9e-3 /
-    # 3.3e-3, dx 2.3e-3 / 2.8e-3, past torch's on the GPU). An fp32 dw (the master weight) keeps
-    # the fold: its dw is rounded once (2.4e-3 / 2.9e-3). torch bf16 here: 3.4e-3, 3.4e-3
+    # it is added in fp32 outside the GEMMs (dw 1.7e-3 / 2.3e-3 here with exp_gemm / the cuBLAS
+    # logits GEMM, dx 1.7e-3 / 2.3e-3), below the bounds; folded into E it would be rounded twice
+    # more and pass them. An fp32 dw (the master weight) keeps the fold: its dw is rounded once.
+    # torch bf16 here: 3.4e-3, 3.4e-3
     if not row_kernel:
         pytest.skip("single read only")
-    for cfg in fl.LAUNCH.values():
-        monkeypatch.setitem(cfg, "logits", logits)
+    if logits == "cublas":  # the path where exp_gemm does not apply (before Hopper)
+        monkeypatch.setattr(exp_gemm, "applies", lambda x, w: False)
     x, w, t = _make(256, 64, 512, 500, torch.bfloat16, "cpu", ignore_frac=0.1, seed=21)
     one, kw = torch.tensor(1.0), dict(vocab_size=500)
     _, dx64, dw64 = _run(linear_cross_entropy_reference, x.double(), w.double(), t, one, **kw)
     _, dx_t, dw_t = _run(linear_cross_entropy_reference, x, w, t, one, **kw)
     _, dx, dw = _run(fused_linear_cross_entropy, x, w, t, one, **kw)
-    dw_max, dx_max = (2.2e-3, 2.0e-3) if logits == "triton" else (2.7e-3, 2.55e-3)
+    dw_max, dx_max = (2.2e-3, 2.0e-3) if logits == "exp_gemm" else (2.7e-3, 2.55e-3)
     assert dw.dtype == torch.bfloat16 and _rel(dw, dw64) < dw_max
     assert _rel(dx, dx64) < dx_max
     _, dx, dw = _run(fused_linear_cross_entropy, x, w.float(), t, one, **kw)
@@ -676,12 +633,11 @@ def _one_hot_out(e, f, h, t):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_single_read_with_the_cublas_logits_gemm(dtype, monkeypatch, row_kernel):
-    # LAUNCH logits="cublas": the chunk GEMM then _exp_rows_kernel (the path where exp_gemm does
-    # not apply: before Hopper, unaligned shapes), bf16 included
+    # The chunk GEMM then _exp_rows_kernel: the path where exp_gemm does not apply (before
+    # Hopper, unaligned shapes), bf16 included
     if not row_kernel:
         pytest.skip("single read only")
-    for cfg in fl.LAUNCH.values():
-        monkeypatch.setitem(cfg, "logits", "cublas")
+    monkeypatch.setattr(exp_gemm, "applies", lambda x, w: False)
     x, w, t = _make(64, 32, 128, 120, dtype, "cpu", ignore_frac=0.2, seed=14)
     x[::5] *= 8
     _check(x, w, t, 120, "mean", torch.tensor(0.6))

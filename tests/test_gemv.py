@@ -1,11 +1,12 @@
-"""fused_loss/gemv.py: the batch-1 decoding GEMV (LayerNorm prologue, bias, GELU, residual add)
-against fp64 torch, alone and as model.Block's decoding step."""
+"""kernels/gemv.py: the batch-1 decoding GEMV (LayerNorm prologue, bias, GELU, residual add)
+against gemv_reference in fp64, alone and as model.Block's decoding step."""
 
 import pytest
 import torch
+from sm90 import compile_for_sm90, needs_nvidia_backend
 
 from core import generate
-from fused_loss import gemv
+from kernels import gemv
 from model import GPT, GPTConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -160,3 +161,35 @@ def test_gpu_decoding_at_batch_1_runs_the_gemv(monkeypatch):
     model.generate(idx.repeat(2, 1), 3, temperature=0, decode="eager")
     model.float().generate(idx, 3, temperature=0, decode="eager")
     assert calls == []
+
+
+# The kernel at its CUDA launch for 1558M's c_attn (LN prologue, GELU, the key and value stores)
+# and mlp c_proj (K = 6400, residual), with PDL: the weight rows must load 16 bytes at a time.
+COMPILE = r"""
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import gemv
+
+out = {}
+for k in (1600, 6400):
+    sig = {f"{n}_ptr": "*bf16" for n in ("x", "w", "b", "r", "ln_w", "ln_b", "y", "k", "v")}
+    sig |= {"pos_ptr": "*i64", "N": "i32", "eps": "fp32", "stride_head": "i32"}
+    KP = triton.next_power_of_2(k)
+    consts = dict(K=k, KP=KP, BLOCK_N=max(1, gemv.ELEMENTS // KP), HAS_BIAS=True, LN=k == 1600,
+                  LN_BIAS=True, GELU=k == 1600, RESIDUAL=k == 6400, KV=k == 1600, HEAD=64,
+                  PDL=True, INTERPRETED=False)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n][0] == "*"}
+    src = ASTSource(fn=gemv._gemv_kernel, signature=dict(sig, **{c: "constexpr" for c in consts}),
+                    constexprs=consts, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=gemv.NUM_WARPS)).asm["ptx"]
+    out[f"K={k}"] = len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx))
+print(json.dumps(out))
+"""
+
+
+@needs_nvidia_backend
+def test_gemv_compiles_for_sm90_with_16_byte_weight_loads():
+    loads = compile_for_sm90(COMPILE)
+    assert len(loads) == 2 and all(v4 >= 1 for v4 in loads.values()), loads

@@ -1,9 +1,10 @@
-"""fused_loss/mlp.py: GPT-2's MLP with the GELU in cuBLASLt epilogues (model.mlp_impl)."""
+"""kernels/mlp.py: GPT-2's MLP with the GELU in cuBLASLt epilogues (model.mlp_impl), against
+mlp_reference."""
 
 import pytest
 import torch
 
-from fused_loss import cublaslt, mlp
+from kernels import cublaslt, mlp
 from model import GPT, GPTConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -14,8 +15,9 @@ def test_mlp_impl_is_checked_and_falls_back_on_cpu():
         GPTConfig(mlp_impl="triton")
     kw = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, padded_vocab_size=64)
     torch.manual_seed(0)
-    ref = GPT(GPTConfig(**kw, loss_impl="torch"))
-    other = GPT(GPTConfig(**kw, loss_impl="torch", mlp_impl="cublaslt"))
+    ref = GPT(GPTConfig(**kw, loss_impl="torch", mlp_impl="torch"))
+    other = GPT(GPTConfig(**kw, loss_impl="torch", mlp_impl="fast"))
+    assert not ref.transformer.h[0].mlp.use_cublaslt
     other.load_state_dict(ref.state_dict())
     idx = torch.randint(0, 64, (2, 16))
     assert torch.equal(other(idx, idx), ref(idx, idx))  # CPU: the torch path, bit for bit
@@ -78,7 +80,7 @@ def test_gpu_mlp_matches_reference(M, D, compiled, dtype, residual):
         err = ((o.double() - r).norm() / r.norm()).item()
         torch_err = ((t.double() - r).norm() / r.norm()).item()
         assert err <= 1.2 * torch_err + slack, (name, err, torch_err)
-    # the parameters' gradients leave the GEMMs in fp32: torch's (and ours before) are the
+    # the parameters' gradients leave the GEMMs in fp32: torch's are the
     # compute dtype's roundings cast up, every entry representable in bf16/fp16
     for name, o, t in zip(("dWfc", "dbfc", "dWproj"), got[2:5], theirs[2:5], strict=True):
         assert torch.equal(t, t.to(dtype).float()), name

@@ -683,7 +683,7 @@ def test_gpu_compiled_xl_width_step_matches_eager(loss_impl):
     """GPT-2 XL's width (1600, 25 heads), 2 layers, fp32 weights under bf16 autocast, compiled
     with the trainer's default settings: loss and gradients match eager mode's. With Inductor's
     in-place buffers (torch 2.11, H200) this step's loss was 0.046 off and wte's gradient 24 %
-    off (bench/RESULTS.md, run 26); with them off, 1.4e-5 and 0.7 % at most (run 27)."""
+    off; with them off, 1.4e-5 and 0.7 % at most (bench/RESULTS.md#compile)."""
     from model import GPTConfig
 
     torch.manual_seed(3)

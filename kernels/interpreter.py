@@ -1,0 +1,22 @@
+"""What the Triton CPU interpreter (TRITON_INTERPRET=1, the tests' CPU path) gets wrong, put right
+for the kernels of this repo; the compiled GPU path is untouched.
+
+    to_dtype(v, dtype, INTERPRETED)   v.to(dtype), rounded to nearest-even for bf16 where the
+                                      interpreter truncates fp32 -> bf16 (seen with triton 3.9)
+
+The interpreter's bf16 tl.dot is wrong too; the matrix kernels widen their operands to fp32
+under INTERPRETED themselves (fused_loss/exp_gemm.py).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def to_dtype(v, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """v.to(dtype), rounding to nearest-even for bf16 under the interpreter (which truncates)."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(dtype)
