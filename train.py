@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from core import distributed, sharding
+from core import distributed, fp8, sharding
 from core.checkpoint import (
     CheckpointError,
     list_checkpoints,
@@ -189,6 +189,8 @@ def save(run, step, val_loss):
     model, state = sharding.full_state(run.raw_model, run.optimizer, cfg.shard, procs.master)
     if not procs.master:
         return
+    if cfg.fp8 != "off":  # a checkpoint holds plain tensors, whatever torchao wrapped
+        model = fp8.plain_state_dict(model)
     ckpt = {
         "model": model,
         "model_config": asdict(cfg.model),
@@ -295,6 +297,7 @@ def train_step(run, step, grad_accum, stop, check):
         check_training_step(first_loss, eager_loss, ddp, step)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     norm = sharding.step(optimizer, run.raw_model, cfg.shard, max_norm)
+    fp8.after_optimizer_step(run.raw_model, cfg.fp8, cfg.shard)
     optimizer.zero_grad(set_to_none=True)
     # torch.full, not torch.tensor: a host-to-device copy of a Python number would sync
     stats = torch.stack([loss_sum, torch.full((), float(stop.requested), device=device)])
@@ -343,8 +346,12 @@ def main(argv=None, train_loader=DataLoader):
     compile_settings = contextlib.ExitStack()  # Inductor's global settings, for this run only
     try:
         notes = sharding.check(cfg, procs)  # a combination that does not run stops here
-        # --- set-up: data, model, optimizer, the newest checkpoint when resuming
         T = cfg.model.block_size
+        try:  # the GPU, torch and torchao can run FP8 GEMMs (nothing for fp8="off")
+            fp8.check(cfg.fp8, device, cfg.shard)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        # --- set-up: data, model, optimizer, the newest checkpoint when resuming
         grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
         dtype = resolve_dtype(cfg.dtype, device)
         use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
@@ -360,6 +367,9 @@ def main(argv=None, train_loader=DataLoader):
         with torch.device(device):  # initialised where it runs: 1558M on a CPU takes seconds
             raw_model = GPT(cfg.model)
         raw_model.z_loss = cfg.z_loss  # in training-mode losses only: val stays plain CE
+        if cfg.fp8 != "off":  # before sharding, compile and DDP wrap the Linears
+            n = len(fp8.convert(raw_model, cfg.fp8, cfg.shard))
+            notes.append(f"fp8 {cfg.fp8}: {n} block Linears on FP8 GEMMs (torchao), lm_head bf16")
         sharding.shard_model(raw_model, cfg.shard)  # FSDP2 under shard="full", in place
         optimizer = sharding.make_optimizer(raw_model, cfg, device)
         run = Run(cfg, procs, raw_model, optimizer, loader, val_glob, dtype, print0)

@@ -13,7 +13,8 @@
 #    slow machine loses 124M repeats, with a warning, rather than the call's whole table).
 # Then one short table. Exit status: pytest's, else throughput.py's. About 9 minutes on an H200.
 # Environment: PYTHON (default python3), REPEATS (3), REPEATS_LARGE (1), RUNS / RUNS_LARGE (the
-# model:batch[:steps:warmup] lists), BUDGET (570), GATE_COMMIT (the commit the table names, when
+# model:batch[:steps:warmup] lists), IMPLS (default,plain; bench/throughput.py's, e.g.
+# default,plain,fp8), BUDGET (570), GATE_COMMIT (the commit the table names, when
 # the copy has no .git), WORKERS (pytest-xdist processes for the tests when installed, default 4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +35,7 @@ for pair in "${RUNS_LARGE:-1558M:16:16:6} ${REPEATS_LARGE:-1}" "${RUNS:-124M:32:
     read -r runs repeats <<<"$pair"
     [ -z "$runs" ] && continue
     left=$((${BUDGET:-570} - ($(date +%s) - start)))
-    $py bench/throughput.py --runs "$runs" --impls default,plain --repeats "$repeats" \
+    $py bench/throughput.py --runs "$runs" --impls "${IMPLS:-default,plain}" --repeats "$repeats" \
         --time-budget "$((left > 1 ? left : 1))" \
         --out "out/gpu_gate/${runs%%:*}" 2>&1 | tee -a "$out/gate_throughput.txt"
     rc=${PIPESTATUS[0]}

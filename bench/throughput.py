@@ -8,9 +8,11 @@ the plain one, or other loss implementations and train.py arguments.
 
 --impls names configurations (IMPLS): "default" (train.py's defaults), "plain" (every fast path
 off: materialised logits, torch MLP, torch's fused AdamW, fp32 residual stream; the stand-in for
-nanoGPT's path), "torch" (only the loss switched to torch's). --repeats runs every (run, impl)
-that many times, interleaved, and the table gives the median, with each impl's ratio to "plain"
-when both ran. A run is model:batch, or model:batch:steps:warmup to override --steps/--warmup.
+nanoGPT's path), "torch" (only the loss switched to torch's), "fp8" / "fp8_rowwise" (the
+defaults with the blocks' GEMMs in FP8, --fp8=tensorwise / rowwise). --repeats runs every (run,
+impl) that many times, interleaved, and the table gives the median, with each impl's ratio to
+"plain" when both ran. A run is model:batch, or model:batch:steps:warmup to override --steps /
+--warmup.
 
 Each run is a fresh process calling train.main (compiled model, bf16 autocast, fused AdamW, one
 micro-batch per step: total batch = B * 1024) on a shard of uniform random tokens. Reported per
@@ -49,6 +51,7 @@ PRESETS = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M":
 PLAIN = ["--loss_impl='torch'", "--mlp_impl='torch'", "--attn_impl='torch'", "--adamw_impl='torch'"]
 PLAIN += ["--low_precision_residual=False"]
 IMPLS = {"default": [], "plain": PLAIN, "torch": ["--loss_impl='torch'"]}
+IMPLS |= {"fp8": ["--fp8='tensorwise'"], "fp8_rowwise": ["--fp8='rowwise'"]}
 
 # Runs inside the child: train, then report peak memory (and the profile when asked).
 CHILD = r"""
@@ -168,7 +171,7 @@ def step_stats(log_path, warmup):
 def first_loss_outliers(runs, tol=1e-3):
     """Runs whose step-0 loss is more than tol from the median of the runs with the same model and
     micro-batch (same seed, same tokens: any loss or compile setting should agree to ~1e-4; the
-    faulty compiled 1558M graph was 0.03 off, bench/RESULTS.md run 22)."""
+    wrongly compiled 1558M graph was 0.03 off, bench/RESULTS.md#compile)."""
     groups = {}
     for r in runs:
         if r.get("rc") == 0 and "loss_first" in r:

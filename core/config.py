@@ -19,6 +19,7 @@ import typing
 from dataclasses import asdict, dataclass, field, replace
 
 from core.compile_guard import BUFFER_REUSE, COMPILE_MODES
+from core.fp8 import RECIPES as FP8_RECIPES
 from model import IMPLS, GPTConfig, setting
 
 
@@ -43,6 +44,8 @@ class TrainConfig:
     # GPT-2 preset, and its other fields (n_layer, softcap, loss_impl, ...) override that
     model: GPTConfig = field(default_factory=small_model)
     adamw_impl: str = setting("fast", '"fast": one Triton launch (CUDA fp32); "torch": torch.optim')
+    # the blocks' Linears on FP8 tensor cores through torchao (core/fp8.py); lm_head stays bf16
+    fp8: str = setting("off", '"off", "tensorwise" or "rowwise": FP8 block GEMMs (torchao)')
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
     batch_size: int = setting(8, "micro-batch size per process (sequences)")
     total_batch_size: int = setting(1024, "tokens per optimizer step over all processes")
@@ -84,7 +87,7 @@ class TrainConfig:
     # Inductor's own limit is 1024: wider LayerNorms (774M, 1558M) would read their rows twice
     persistent_rows: int = setting(2048, "Inductor reduces rows up to this wide in registers")
     # "no_inplace": with in-place buffers torch.compile has produced wrong losses and gradients
-    # at 774M and 1558M (bench/RESULTS.md §2b); no cost measured
+    # at 774M and 1558M (bench/RESULTS.md#compile); no cost measured
     buffer_reuse: str = setting("no_inplace", "Inductor buffer reuse: all, no_inplace or none")
     # the guard against wrongly compiled graphs (compile_guard.py); skipped with dropout > 0,
     # where the two forwards draw different masks
@@ -244,6 +247,14 @@ def _check_ranges(cfg):
         raise ConfigError(
             "config key 'activation_memory_budget' must be in (0, 1], "
             f"got {cfg.activation_memory_budget!r}"
+        )
+    if cfg.fp8 not in FP8_RECIPES:
+        raise ConfigError(f"config key 'fp8': one of {FP8_RECIPES}, not {cfg.fp8!r}")
+    rows = cfg.batch_size * cfg.model.block_size  # the tokens dW sums over in each FP8 GEMM
+    if cfg.fp8 != "off" and rows % 16:
+        raise ConfigError(
+            f"fp8={cfg.fp8!r}: batch_size * block_size = {rows} must be a multiple of 16 "
+            "(torch._scaled_mm's dimensions)"
         )
     if cfg.adamw_impl not in IMPLS:
         raise ConfigError(f"config key 'adamw_impl': 'fast' or 'torch', not {cfg.adamw_impl!r}")

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Training quality of one change against the default, in one call: the real train.py, GPT-2 124M
+# on the local Wikipedia text, the same seed and data order, STEPS steps each; the val-loss curves
+# side by side, then the final gap. Prints one table last.
+#   W=dir-with-train_0*.txt.xz-and-valid.txt.xz  STEPS=2000  CHANGE="--fp8='tensorwise'" \
+#     bash bench/quality_pair.sh OUT_DIR
+# EXTRA: train.py arguments for both runs (a CPU rehearsal: EXTRA="--n_layer=1 --n_embd=64
+# --n_head=2 --block_size=64 --device=cpu" STEPS=4 with a small W).
+# W: the wikipedia_en folder (two train files, ~35M tokens, stay under the device's 64 MiB carry).
+# Each run: batch 16 x 1024 tokens a step, warm-up 100, eval every 200 steps on 1M val tokens.
+# Expected: ~35M train + ~1.03M val tokens prepared; two runs of STEPS x 16,384 tokens.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-out/quality}
+W=${W:-.gpu/wiki}
+STEPS=${STEPS:-2000}
+CHANGE=${CHANGE:-"--fp8='tensorwise'"}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+t0=$(date +%s)
+$py -m data.fineweb --from-text "$W"/train_0*.txt.xz --val-from "$W"/valid.txt.xz \
+    --name wiki --out-dir data/cache/wiki --no-progress 2>&1 | tail -2
+echo "data prepared in $(($(date +%s) - t0)) s"
+
+run() {  # name, extra train.py arguments...
+    local name=$1
+    shift
+    # shellcheck disable=SC2068  # the arguments are split on purpose
+    $py train.py configs/wikipedia.py --batch_size=16 --total_batch_size=16384 \
+        --max_steps="$STEPS" --warmup_steps=100 --eval_interval=200 --val_tokens=1048576 \
+        --sample_interval=0 --ckpt_interval=0 --out_dir="out/quality/$name" ${EXTRA:-} $@ \
+        >"$out/$name.log" 2>&1
+    echo "$name: exit $?, $(grep -c '^step' "$out/$name.log") step lines, $(($(date +%s) - t0)) s"
+    cp "out/quality/$name/log.jsonl" "$out/$name.jsonl"
+}
+rm -rf out/quality
+run base
+# shellcheck disable=SC2086
+run change $CHANGE
+
+$py - "$out" "$CHANGE" <<'PY'
+import json, sys
+out, change = sys.argv[1], sys.argv[2]
+def curve(name):
+    recs = [json.loads(line) for line in open(f"{out}/{name}.jsonl")]
+    val = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+    train = [r for r in recs if "tok_per_s" in r]
+    speed = sorted(r["tok_per_s"] for r in train[len(train) // 10:])
+    return val, speed[len(speed) // 2] if speed else float("nan")
+(bv, bs), (cv, cs) = curve("base"), curve("change")
+print(f"\n| step | val loss, default | val loss, {change} | gap |")
+print("|---|---|---|---|")
+for step in sorted(set(bv) & set(cv)):
+    print(f"| {step} | {bv[step]:.4f} | {cv[step]:.4f} | {cv[step] - bv[step]:+.4f} |")
+print(f"median tok/s after 10 %: default {bs:,.0f}, change {cs:,.0f} ({cs / bs:.3f}x)")
+PY
+echo "total $(($(date +%s) - t0)) s"

@@ -1,0 +1,207 @@
+"""Opt-in FP8 training of the transformer blocks' Linears (--fp8), on torchao's float8 training.
+
+Each block's four Linears (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj) become torchao's
+Float8Linear: the three GEMMs of each, y = x W^T, dx = dy W, dW = dy^T x, run on FP8 tensor cores
+(torch._scaled_mm), their operands cast to float8 with scales taken from the operands' absolute
+maxima at that moment (dynamic scaling), the products summed in fp32 and written in bf16.
+Everything else is as without --fp8: the fp32 master weights and AdamW, the attention itself
+(SDPA), LayerNorms, GELU, the embeddings, and lm_head (= wte, tied), whose weight the fused loss
+reads in bf16. The model's fast MLP and attention paths, which run GEMMs of their own from the
+raw weights, are off in converted blocks.
+
+    tensorwise  one scale per tensor; x and W in e4m3, dy in e5m2; cuBLAS GEMMs, the fastest
+    rowwise     one power-of-two scale per row of each operand, all in e4m3; CUTLASS GEMMs
+    off         no conversion (bf16 autocast with fp32 master weights, the default)
+
+torch._scaled_mm takes dimensions that are multiples of 16 only, the summed one included: n_embd
+(convert checks it) and, in training, the tokens of a micro-batch, B * T (dW sums over them).
+
+Under FSDP2 (shard="full") tensorwise all-gathers the blocks' weights in float8 (1 B/param
+instead of fp32's 4): each rank casts its shard with the scale of the whole weight, and
+after_optimizer_step computes the new scales of all of them in one all-reduce. torchao has no
+float8 all-gather for rowwise, which gathers the fp32 weights as without --fp8.
+
+Checkpoints hold plain tensors under the unconverted model's keys (Float8Linear is an nn.Linear
+with the same weight and bias; plain_state_dict unwraps the float8 all-gather's weights), so FP8
+and bf16 runs, sample.py and eval load each other's. torchao is imported only here, inside the
+functions, so it is needed only by runs that ask for FP8.
+"""
+
+import dataclasses
+import re
+
+import torch
+from torch import nn
+
+RECIPES = ("off", "tensorwise", "rowwise")
+# torchao 0.17 is the first release built against torch's stable ABI (torch 2.11 and later);
+# older ones must match torch's version exactly. This module is written against 0.18's API.
+MIN_TORCHAO = (0, 17)
+MIN_TORCH = (2, 11)
+# the Linears of each Block that become Float8Linear, by their names inside the Block
+BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+def check(recipe, device, shard):
+    """ValueError (one line: what is wrong, what to do) where this run cannot train with `recipe`
+    on `device` (a torch.device or its string); nothing for "off". Every `shard` mode runs
+    ("none", "optimizer", "full"): rowwise under FSDP2 gathers the fp32 weights (torchao's float8
+    all-gather is tensorwise only). Runs a tiny FP8 GEMM on the GPU, forward and backward, so that
+    a missing kernel (say rowwise on a GPU or torch build without it) stops the run here, not at
+    its first step."""
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 must be one of {RECIPES}, got {recipe!r}")
+    if recipe == "off":
+        return
+    torchao = _import_torchao(recipe)
+    ours, theirs = _version(torch.__version__), _version(torchao.__version__)
+    if theirs is not None and theirs < MIN_TORCHAO:
+        raise ValueError(
+            f"fp8={recipe!r}: torchao {torchao.__version__} is older than "
+            f"{_dotted(MIN_TORCHAO)} (its builds match one torch version): pip install -U torchao"
+        )
+    if ours < MIN_TORCH:
+        raise ValueError(
+            f"fp8={recipe!r}: torchao {torchao.__version__} needs torch >= {_dotted(MIN_TORCH)}, "
+            f"this is torch {torch.__version__}: upgrade torch or pass --fp8=off"
+        )
+    try:
+        from torchao.float8 import (  # noqa: F401
+            Float8LinearConfig,
+            convert_to_float8_training,
+            precompute_float8_dynamic_scale_for_fsdp,
+        )
+    except ImportError as e:
+        raise ValueError(
+            f"fp8={recipe!r}: torchao {torchao.__version__} lacks the float8 training API used "
+            f"here ({e}); written against torchao 0.18: pip install torchao==0.18.0"
+        ) from e
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(
+            f"fp8={recipe!r} needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+: "
+            f"Ada, Hopper, Blackwell), this run is on {device.type}: pass --fp8=off"
+        )
+    name, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+    if cc < (8, 9):
+        raise ValueError(
+            f"fp8={recipe!r}: {name} (compute capability {cc[0]}.{cc[1]}) has no FP8 tensor "
+            "cores (8.9+: Ada, Hopper, Blackwell): pass --fp8=off"
+        )
+    try:
+        _tiny_step(recipe, device)
+    except Exception as e:  # whatever torch or torchao raise: the run cannot use the recipe
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(
+            f"fp8={recipe!r}: torchao's FP8 GEMMs fail on {name} with torch {torch.__version__}, "
+            f"torchao {torchao.__version__} ({first}): try the other recipe or --fp8=off"
+        ) from e
+
+
+def convert(model, recipe, shard):
+    """Swap the blocks' Linears of `model` (a model.GPT on its device, before torch.compile, DDP
+    or sharding.shard_model) for torchao's Float8Linear, in place; their names. With
+    shard="full" and tensorwise, their weights become torchao's float8 all-gather wrappers."""
+    if recipe == "off":
+        return []
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 must be one of {RECIPES}, got {recipe!r}")
+    n_embd = model.config.n_embd
+    if n_embd % 16:  # torch._scaled_mm: the GEMMs' K and N are multiples of 16
+        raise ValueError(f"fp8={recipe!r} needs n_embd divisible by 16, got {n_embd}")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if shard == "full" and recipe == "tensorwise":
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    wanted = {
+        f"transformer.h.{i}.{name}"
+        for i in range(len(model.transformer.h))
+        for name in BLOCK_LINEARS
+    }
+    converted = []
+
+    def swap(module, fqn):
+        # called for every nn.Linear; lm_head (wte's weight) is never swapped
+        if fqn in wanted:
+            converted.append(fqn)
+            return True
+        return False
+
+    # Note: torchao also patches Inductor's Triton codegen of min/max here, process-wide (the
+    # same values; it avoids a Triton miscompile of float8 stores, torchao/float8/_inductor_patch)
+    convert_to_float8_training(model, module_filter_fn=swap, config=config)
+    for block in model.transformer.h:
+        # the fast paths run their GEMMs from the raw bf16 weights, bypassing the Linears'
+        # forwards (and so FP8); the torch paths call the (now Float8Linear) modules
+        block.mlp.use_cublaslt = False
+        block.attn.use_fast = False
+    return converted
+
+
+def after_optimizer_step(model, recipe, shard):
+    """Call after every optimizer step (model: the raw model, FSDP2's under shard="full"). With
+    the float8 all-gather (tensorwise under FSDP2) computes the next forward's scales of all the
+    blocks' weights in one all-reduce; without it each weight's all-gather would all-reduce its
+    own amax. Nothing otherwise."""
+    if recipe == "tensorwise" and shard == "full":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def plain_state_dict(state):
+    """The model state dict `state` with plain tensors only, for a checkpoint. The float8
+    all-gather wraps the blocks' weights in a torchao tensor subclass, and FSDP2's full state
+    dict keeps that wrapper at world size 1 (at 2 and more its gather returns plain tensors);
+    torch.load(weights_only=True) reads it only where torchao is imported, so never in sample.py.
+    Wrapped values are copied out into plain tensors, the others returned as they are."""
+    return {name: _plain(t) for name, t in state.items()}
+
+
+def _import_torchao(recipe):
+    """The torchao module; ValueError if it is not installed or fails to import."""
+    try:
+        import torchao
+    except ModuleNotFoundError as e:
+        if e.name != "torchao":
+            raise ValueError(f"fp8={recipe!r}: torchao failed to import: {e}") from e
+        raise ValueError(
+            f"fp8={recipe!r} needs torchao's float8 training: pip install torchao"
+        ) from e
+    except Exception as e:  # a build that does not match this torch, say
+        raise ValueError(f"fp8={recipe!r}: torchao failed to import: {e}") from e
+    return torchao
+
+
+def _tiny_step(recipe, device):
+    """One forward and backward of a 32 x 32 Float8Linear under bf16 autocast on `device`."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    net = nn.Sequential(nn.Linear(32, 32)).to(device)
+    convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name(recipe))
+    x = torch.randn(16, 32, device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        y = net(x)
+    y.float().sum().backward()
+    torch.cuda.synchronize(device)
+
+
+def _plain(t):
+    """t itself if it is a plain tensor (or not a tensor), else its values in a plain tensor."""
+    if not isinstance(t, torch.Tensor) or type(t) in (torch.Tensor, nn.Parameter):
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        out.copy_(t)  # the subclass's copy_ copies its inner tensor: out stays plain
+    return out
+
+
+def _version(text):
+    """(major, minor) of a version string such as "2.11.0+cu130"; None if it has none."""
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _dotted(version):
+    return ".".join(map(str, version))

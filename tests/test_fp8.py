@@ -1,0 +1,364 @@
+"""core/fp8.py (--fp8, on torchao's float8 training): the conversion swaps exactly the blocks'
+Linears, check() refuses a run that cannot use FP8 in one line, and checkpoints of FP8 runs hold
+plain tensors that load into plain and FP8 models alike. On CPU torchao converts, and even runs
+the FP8 GEMMs (torch 2.11, 2.13); on a GPU with FP8 tensor cores, 20 training steps with --fp8
+follow the bf16 run's losses."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+torchao = pytest.importorskip("torchao", reason="--fp8 needs torchao: pip install torchao")
+
+from torchao.float8 import Float8LinearConfig  # noqa: E402
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402  (not public; types only)
+
+import train  # noqa: E402
+from conftest import read_log  # noqa: E402
+from core import fp8, model_io, sharding  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = ["tensorwise", "rowwise"]
+BLOCK_LINEARS = [f"transformer.h.{i}.{n}" for i in range(2) for n in fp8.BLOCK_LINEARS]
+
+
+def tiny_model(seed=0, **kw):
+    """The 2-layer, 64-wide GPT of the task (2 heads, T 32); the torch loss, which runs on CPU
+    without the Triton interpreter."""
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, loss_impl="torch", **kw))
+
+
+def batch(seed=1, vocab=50257):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (4, 33), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_convert_swaps_exactly_the_blocks_linears(recipe):
+    """4 * n_layer Float8Linears with the recipe's config, in place, the same Parameters; every
+    other module keeps its type; lm_head stays an nn.Linear tied to wte; the state dict's keys
+    are the unconverted model's."""
+    model = tiny_model()
+    before = {name: type(m) for name, m in model.named_modules()}
+    params = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    names = fp8.convert(model, recipe, "none")
+    assert sorted(names) == sorted(BLOCK_LINEARS) and len(names) == 4 * 2
+    for name, m in model.named_modules():
+        if name in BLOCK_LINEARS:
+            assert type(m) is Float8Linear, name
+            assert m.config == Float8LinearConfig.from_recipe_name(recipe)
+            assert not m.config.enable_fsdp_float8_all_gather
+        else:
+            assert type(m) is before[name], name
+    assert type(model.lm_head) is nn.Linear and type(model.transformer.wte) is nn.Embedding
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert list(model.state_dict()) == keys
+
+
+def test_convert_off_changes_nothing():
+    model = tiny_model()
+    assert fp8.convert(model, "off", "full") == []
+    assert not any(isinstance(m, Float8Linear) for m in model.modules())
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_float8_all_gather_only_for_tensorwise_under_fsdp2(recipe):
+    """shard="full": tensorwise's weights become torchao's float8 all-gather wrappers; rowwise has
+    none (torchao's is tensorwise only) and keeps plain weights."""
+    model = tiny_model()
+    fp8.convert(model, recipe, "full")
+    gather = recipe == "tensorwise"
+    for name in BLOCK_LINEARS:
+        m = model.get_submodule(name)
+        assert m.config.enable_fsdp_float8_all_gather == gather
+        assert (type(m.weight.data) is not torch.Tensor) == gather, name
+    assert type(model.lm_head.weight.data) is torch.Tensor
+
+
+def test_convert_turns_the_fast_paths_off_and_the_forward_runs_the_float8_linears():
+    """use_cublaslt / use_fast (set here as on a Hopper GPU) run their GEMMs from the raw
+    weights: conversion turns them off, and a forward calls every converted module once."""
+    model = tiny_model()
+    for block in model.transformer.h:
+        block.mlp.use_cublaslt = block.attn.use_fast = True
+    fp8.convert(model, "tensorwise", "none")
+    for block in model.transformer.h:
+        assert block.mlp.use_cublaslt is False and block.attn.use_fast is False
+    calls = []
+    for name in BLOCK_LINEARS:
+        model.get_submodule(name).register_forward_hook(lambda m, i, o, n=name: calls.append(n))
+    model(*batch()).backward()
+    assert calls == BLOCK_LINEARS  # in the order of the forward
+    assert all(model.get_submodule(n).weight.grad is not None for n in BLOCK_LINEARS)
+
+
+def test_convert_refuses_a_width_the_fp8_gemms_cannot_take():
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=72, block_size=32))
+    with pytest.raises(ValueError, match="n_embd divisible by 16, got 72"):
+        fp8.convert(model, "tensorwise", "none")
+
+
+def _cuda_gpu(monkeypatch, name, cc):
+    """Make torch report a CUDA GPU `name` of compute capability `cc` (this machine has none)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+
+
+@pytest.mark.parametrize(
+    "recipe, device, setup, says",
+    [
+        ("bf16", "cpu", None, "fp8 must be one of ('off', 'tensorwise', 'rowwise'), got 'bf16'"),
+        ("tensorwise", "cpu", None, "needs a CUDA GPU with FP8 tensor cores"),
+        ("rowwise", "cpu", None, "this run is on cpu: pass --fp8=off"),
+        ("tensorwise", "cpu", "no torchao", "needs torchao's float8 training: pip install torchao"),
+        ("tensorwise", "cuda", "old torchao", "torchao 0.16.0 is older than 0.17"),
+        ("tensorwise", "cuda", "old torch", "needs torch >= 2.11, this is torch 2.10.0"),
+        ("tensorwise", "cuda", "no api", "lacks the float8 training API used here"),
+        ("tensorwise", "cuda", "A100", "NVIDIA A100-SXM4-80GB (compute capability 8.0) has no"),
+        ("rowwise", "cuda", "no kernel", "FP8 GEMMs fail on NVIDIA H200 with torch"),
+    ],
+)
+def test_check_refuses_in_one_line(monkeypatch, recipe, device, setup, says):
+    if setup == "no torchao":
+        monkeypatch.setitem(sys.modules, "torchao", None)  # import fails
+    elif setup == "old torchao":
+        monkeypatch.setattr(torchao, "__version__", "0.16.0")
+    elif setup == "old torch":
+        monkeypatch.setattr(torch, "__version__", "2.10.0")
+    elif setup == "no api":
+        monkeypatch.delattr(torchao.float8, "precompute_float8_dynamic_scale_for_fsdp")
+    elif setup == "A100":
+        _cuda_gpu(monkeypatch, "NVIDIA A100-SXM4-80GB", (8, 0))
+    elif setup == "no kernel":
+        _cuda_gpu(monkeypatch, "NVIDIA H200", (9, 0))
+
+        def fails(recipe, device):
+            raise RuntimeError("rowwise scaling is not supported here\n(the rest of torch's text)")
+
+        monkeypatch.setattr(fp8, "_tiny_step", fails)
+    with pytest.raises(ValueError) as e:
+        fp8.check(recipe, device, "none")
+    assert says in str(e.value) and "\n" not in str(e.value)
+    if setup == "no kernel":
+        assert "(rowwise scaling is not supported here)" in str(e.value)
+
+
+def test_check_passes_off_without_torchao(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    fp8.check("off", "cpu", "full")
+
+
+def test_check_passes_on_an_fp8_gpu_whatever_the_sharding(monkeypatch):
+    """A Hopper GPU whose tiny FP8 step runs: every shard mode (rowwise + FSDP2 gathers the fp32
+    weights); check() never asks torch for the GPU beyond what _cuda_gpu fakes."""
+    _cuda_gpu(monkeypatch, "NVIDIA H200", (9, 0))
+    monkeypatch.setattr(fp8, "_tiny_step", lambda recipe, device: None)
+    for recipe in RECIPES:
+        for shard in sharding.MODES:
+            fp8.check(recipe, torch.device("cuda"), shard)
+
+
+def _saved_and_loaded(state, tmp_path):
+    """state through torch.save and torch.load(weights_only=True), as the trainer writes and
+    sample.py reads a checkpoint."""
+    torch.save({"model": state}, tmp_path / "ckpt.pt")
+    return torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
+
+
+def _assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for name in sa:
+        torch.testing.assert_close(sa[name], sb[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_checkpoints_load_across_fp8_and_plain_models(recipe, tmp_path):
+    """An FP8 model's state dict holds plain tensors under the plain model's keys: it loads
+    (strict) into a plain model, GPT.from_state_dict (sample.py, eval) and an FP8 model (resume);
+    a plain model's loads into an FP8 model. The values arrive unchanged each way."""
+    model = tiny_model(seed=0)
+    fp8.convert(model, recipe, "none")
+    state = _saved_and_loaded(fp8.plain_state_dict(model.state_dict()), tmp_path)
+    assert all(type(t) is torch.Tensor for t in state.values())
+    plain = tiny_model(seed=1)
+    plain.load_state_dict(state)
+    _assert_same_weights(plain, model)
+    _assert_same_weights(GPT.from_state_dict(model.config, state), model)
+    resumed = tiny_model(seed=2)
+    fp8.convert(resumed, recipe, "none")
+    resumed.load_state_dict(state)
+    _assert_same_weights(resumed, model)
+    other = tiny_model(seed=3)
+    resumed.load_state_dict(_saved_and_loaded(other.state_dict(), tmp_path))
+    _assert_same_weights(resumed, other)
+    assert all(isinstance(resumed.get_submodule(n), Float8Linear) for n in BLOCK_LINEARS)
+
+
+def test_fsdp2_float8_all_gather_trains_like_fp8_alone_and_saves_plain_tensors(tmp_path):
+    """One gloo rank: tensorwise under FSDP2 (float8 all-gather) trains 3 steps to the losses of
+    the unsharded FP8 model: the same scales (amax of the whole weight), precomputed by
+    after_optimizer_step from the updated weights. Bit for bit on torch 2.13; torch 2.11's CPU
+    GEMM sums the weight's other layout in another order (4e-5 relative at the first step), and
+    FP8's roundings can carry that on: 1e-3 relative allowed.
+    Its full state dict keeps torchao's wrapper at world size 1, and plain_state_dict makes it a
+    checkpoint that loads into a plain model and back into the sharded FP8 one."""
+    import torch.distributed as dist
+
+    def run(shard):
+        model = tiny_model(vocab_size=512, padded_vocab_size=512)
+        fp8.convert(model, "tensorwise", shard)
+        sharding.shard_model(model, shard)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            loss = model(*batch(step, vocab=512))
+            loss.backward()
+            sharding.step(optimizer, model, shard, 1.0)
+            optimizer.zero_grad(set_to_none=True)
+            fp8.after_optimizer_step(model, "tensorwise", shard)
+            losses.append(loss.item())
+        return model, optimizer, losses
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        _, _, want = run("none")
+        model, optimizer, got = run("full")
+        assert got == pytest.approx(want, rel=1e-3, abs=0)
+        fp8_max = torch.finfo(torch.float8_e4m3fn).max
+        for name in BLOCK_LINEARS:  # the next forward's scale, of the updated weight
+            w = model.get_submodule(name).weight._local_tensor
+            want_scale = (fp8_max / w._tensor.abs().max().double()).float()
+            assert w._precomputed_scale == want_scale, name
+        state, opt_state = sharding.full_state(model, optimizer, "full", True)
+        assert any(type(t) is not torch.Tensor for t in state.values())  # why plain_state_dict
+        ckpt = {"model": fp8.plain_state_dict(state), "optimizer": opt_state}
+        torch.save(ckpt, tmp_path / "ckpt.pt")
+        ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+        assert all(type(t) is torch.Tensor for t in ckpt["model"].values())
+        plain = tiny_model(seed=1, vocab_size=512, padded_vocab_size=512)
+        plain.load_state_dict(ckpt["model"])
+        for name, t in state.items():
+            torch.testing.assert_close(plain.state_dict()[name], fp8._plain(t), rtol=0, atol=0)
+        sharding.load_state(model, optimizer, ckpt, "full")
+        assert model(*batch(5, vocab=512)).isfinite()
+    finally:
+        dist.destroy_process_group()
+
+
+# GPU: through train.main, as users run it (compiled, bf16 autocast, the fused loss)
+
+
+def _fp8_gpu():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+# nats, at each of 20 steps from the same init and batches. FP8 rounds each GEMM operand to 3
+# mantissa bits (e4m3; bf16 keeps 7): 2^-4 relative per element, averaged over the GEMMs' sums of
+# 768..3072 products, and a small difference upstream flips roundings downstream, so the curves
+# wander apart by a few hundredths: at most 0.031 in such runs on an H200, where bf16 and fp32
+# matmuls stay within 1e-3 (the issue's 1558M run agreed with bf16 to 4 digits). 0.1 leaves room
+# for that wander and is still far below the 3 nats the loss falls over these steps: a wrong
+# conversion (a Linear left out, a fast path left on, wrong scales) breaks it.
+LOSS_TOL = 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_fp8_training_follows_bf16_over_20_steps(recipe, tmp_path, capsys):
+    """20 steps on the embedded data at n_embd 768, 4 layers, B 8 x T 256 (the model's default
+    fast paths, compiled): --fp8=<recipe> and --fp8=off from the same seed log losses within
+    LOSS_TOL of each other at every step, and both fall."""
+    args = [
+        "--n_layer=4",
+        "--n_head=12",
+        "--n_embd=768",
+        "--block_size=256",
+        "--batch_size=8",
+        "--total_batch_size=2048",
+        "--max_steps=20",
+        "--warmup_steps=5",
+        "--learning_rate=1e-3",
+        "--eval_interval=0",
+        "--sample_interval=0",
+        "--device=cuda",
+        "--dtype=auto",
+    ]
+    train.main(args + [f"--out_dir={tmp_path}/bf16", "--fp8=off"])
+    train.main(args + [f"--out_dir={tmp_path}/fp8", f"--fp8={recipe}"])
+    capsys.readouterr()
+    ref, _ = read_log(tmp_path / "bf16")
+    got, _ = read_log(tmp_path / "fp8")
+    assert sorted(got) == sorted(ref) == list(range(20))
+    gaps = {step: abs(got[step] - ref[step]) for step in ref}
+    assert max(gaps.values()) <= LOSS_TOL, gaps
+    assert got[19] < got[0] - 1.0 and ref[19] < ref[0] - 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_check_passes_and_a_converted_block_matches_bf16(recipe):
+    """check() passes on this GPU; a converted 768-wide model's loss is bf16's within FP8's
+    rounding, and its fp32 master weights get gradients."""
+    fp8.check(recipe, "cuda", "none")
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=12, n_embd=768, block_size=256)
+    ref = GPT(cfg).cuda()
+    model = GPT(cfg).cuda()
+    model.load_state_dict(ref.state_dict())
+    fp8.convert(model, recipe, "none")
+    x = torch.randint(0, cfg.vocab_size, (8, 257), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want, loss = ref(x[:, :-1], x[:, 1:]), model(x[:, :-1], x[:, 1:])
+    loss.backward()
+    assert abs(loss.item() - want.item()) <= LOSS_TOL
+    for name in BLOCK_LINEARS:
+        w = model.get_submodule(name).weight
+        assert w.dtype == torch.float32 and w.grad is not None and w.grad.isfinite().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")
+def test_gpu_fsdp2_float8_all_gather_follows_unsharded_fp8(tmp_path):
+    """--shard=full --fp8=tensorwise under torchrun, one GPU (the float8 all-gather, its scales
+    precomputed after each step) logs the unsharded --fp8=tensorwise run's losses within
+    LOSS_TOL, and writes a checkpoint of plain tensors that loads into a plain model."""
+    args = [
+        "--n_layer=2",
+        "--n_head=12",
+        "--n_embd=768",
+        "--block_size=256",
+        "--batch_size=8",
+        "--total_batch_size=2048",
+        "--max_steps=10",
+        "--warmup_steps=5",
+        "--eval_interval=0",
+        "--sample_interval=0",
+        "--device=cuda",
+        "--dtype=auto",
+        "--adamw_impl=torch",
+        "--fp8=tensorwise",
+    ]
+    train.main(args + [f"--out_dir={tmp_path}/plain"])
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    cmd = [*launcher, "train.py", *args, "--shard=full", f"--out_dir={tmp_path}/fsdp"]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ref, _ = read_log(tmp_path / "plain")
+    got, _ = read_log(tmp_path / "fsdp")
+    assert sorted(got) == sorted(ref) == list(range(10))
+    assert max(abs(got[s] - ref[s]) for s in ref) <= LOSS_TOL
+    model, ckpt = model_io.from_checkpoint(tmp_path / "fsdp")
+    assert all(type(t) is torch.Tensor for t in ckpt["model"].values())
+    assert not any(isinstance(m, Float8Linear) for m in model.modules())
