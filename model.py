@@ -7,7 +7,7 @@ gradient is exactly 0 and AdamW (decoupled decay) keeps them at 0. Logits are ne
 for them, so sampling can never emit an id >= vocab_size.
 
 Training calls `GPT.forward(idx, targets)`, which computes the loss from the final hidden
-states with `fused_loss` and never builds the (B, T, V) logits. Generation (generate.py) runs
+states with `fused_loss` and never builds the (B, T, V) logits. Generation (core/generate.py) runs
 the blocks through a KV cache on a separate path (`_decode`), so the training forward is plain
 nanoGPT.
 """
@@ -141,7 +141,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             # the keys/values to attend to and a mask: a prefill gets its T new ones and None
             # (causal among them), a decoding step the whole static cache (B, nh, max_len, hs)
-            # and its additive mask (1, 1, 1, max_len) (generate.py)
+            # and its additive mask (1, 1, 1, max_len) (core/generate.py)
             k, v, mask = cache.read(layer) if stored else cache.update(layer, k, v)
         dropout_p = self.dropout if self.training else 0.0
         # without a cache always causal (T == 1 too: one query, one key), so that no SymBool
@@ -345,7 +345,7 @@ class GPT(nn.Module):
 
     def _decode(self, idx, pos, cache):
         """Run idx (B, T) at positions pos (a slice, or a (T,) int64 tensor) through the blocks,
-        whose attention stores and reads keys/values through cache.update (generate.py); return
+        whose attention stores and reads keys/values through cache.update (core/generate.py); return
         the fp32 logits (B, vocab_size) of the last position."""
         wpe = self.transformer.wpe.weight[pos]  # a slice is a view: no arange, no gather
         x = self._residual(self.transformer.drop(self.transformer.wte(idx) + wpe))

@@ -6,7 +6,7 @@
 
 With no prompt, samples start from <|endoftext|>, as GPT-2's unconditional samples do.
 Generation uses a static KV cache and, on CUDA, a one-token step replayed as a CUDA graph
-(--decode, generate.py); past block_size the context is cropped to the last block_size tokens.
+(--decode, core/generate.py); past block_size the context is cropped to the last block_size tokens.
 The same --seed on the same device gives the same text. One sample is printed as its tokens
 come; the speed goes to stderr at the end.
 """
@@ -57,7 +57,7 @@ def parse_args(argv=None):
         "--decode",
         default="auto",
         choices=["auto", *generate.MODES],
-        help="auto: graph on CUDA, eager on CPU (generate.py)",
+        help="auto: graph on CUDA, eager on CPU (core/generate.py)",
     )
     args = p.parse_args(argv)
     if args.num_samples < 1:

@@ -92,10 +92,11 @@ def test_default_config_smoke(tmp_path, capsys):
     assert ckpt["train_config"]["max_steps"] == 3 and model.config.n_layer == 4
 
 
-def test_default_run_keeps_one_checkpoint(tiny_args, tmp_path):
-    """keep_last=1 by default (the demo's checkpoint is 87 MB); the recipes keep 3."""
+def test_default_run_keeps_two_checkpoints(tiny_args, tmp_path):
+    """keep_last=2 by default, so that a corrupt newest checkpoint has one to fall back on; the
+    recipes keep 3."""
     train.main(tiny_args + [f"--out_dir={tmp_path}", "--max_steps=4", "--ckpt_interval=1"])
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000004.pt", "log.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000003.pt", "ckpt_0000004.pt", "log.jsonl"]
     for path in glob.glob(os.path.join(REPO, "configs", "*.py")):
         assert config.load_config([path]).keep_last == 3, path
 
@@ -709,7 +710,8 @@ def test_gpu_compiled_xl_width_step_matches_eager(loss_impl):
 
 
 _HEAP_PROBE = """
-import ctypes, sys, torch, device
+import ctypes, sys, torch
+from core import device
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33, <malloc.h>
     _names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
     _fields_ = [(name, ctypes.c_size_t) for name in _names.split()]
