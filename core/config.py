@@ -276,6 +276,15 @@ def _check_ranges(cfg):
         raise ConfigError(
             f"config key 'compile_mode': one of {COMPILE_MODES}, not {cfg.compile_mode!r}"
         )
+    # CUDA graphs: the validation before step 0 stops with "tensor(s) in the cudagraph pool not
+    # tracked as outputs" (torch 2.11, H200); training alone, and the final evaluation, run
+    # (bench/RESULTS.md#small-micro-batches)
+    if cfg.compile_mode == "reduce-overhead" and cfg.eval_interval > 0 and cfg.compile is not False:
+        raise ConfigError(
+            "compile_mode='reduce-overhead' fails at the validation before step 0 (a tensor left "
+            "in the CUDA-graph pool, README Known issues): pass eval_interval=0 (the final "
+            "evaluation still runs) or compile_mode='default'"
+        )
 
 
 def grad_accum_steps(total_batch_size, batch_size, seq_len, world_size):
