@@ -10,7 +10,7 @@ then forward (fused loss) + backward under bf16 autocast on uniform random token
 No optimizer step: every variant but plain keeps the same AdamW. Reported: median GPU ms per
 step (CUDA events, after 3 warm-up steps), ms per block against bf16's (the difference, over
 n_layer: what each block of a deeper model gains), peak memory and the first loss (the variants
-compute the same loss to ~1e-2; FP8 rounds). The variants compile at once, each in its process,
+agreed to 1e-3 at both widths). The variants compile at once, each in its process,
 and wait for each other; then they time one at a time (a lock), with the host otherwise idle.
 --profile variants also print their top CUDA kernels over 3 profiled steps. Writes
 DIR/bench_fp8.json.
@@ -96,7 +96,7 @@ def convert(model, v):
     import types
 
     from torchao.float8 import convert_to_float8_training
-    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe  # private in 0.18
 
     names = v.get("linears", BLOCK_LINEARS)
     wanted = {f"transformer.h.{i}.{n}" for i in range(len(model.transformer.h)) for n in names}
