@@ -277,7 +277,8 @@ def _check_ranges(cfg):
             f"config key 'compile_mode': one of {COMPILE_MODES}, not {cfg.compile_mode!r}"
         )
     # CUDA graphs: the validation before step 0 stops with "tensor(s) in the cudagraph pool not
-    # tracked as outputs" (torch 2.11, H200); training alone, and the final evaluation, run
+    # tracked as outputs" (torch 2.11, H200): cuBLASLt's cached workspace is first allocated in
+    # the pool there; training alone, and the final evaluation, run
     # (bench/RESULTS.md#small-micro-batches)
     if cfg.compile_mode == "reduce-overhead" and cfg.eval_interval > 0 and cfg.compile is not False:
         raise ConfigError(
