@@ -11,9 +11,9 @@ import sys
 
 import torch
 
-from core import distributed
-from core.device import resolve_dtype
 from data import hellaswag
+from gpt2_fused.core import distributed
+from gpt2_fused.core.device import resolve_dtype
 from sample import load_model
 
 

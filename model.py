@@ -7,7 +7,8 @@ gradient is exactly 0 and AdamW (decoupled decay) keeps them at 0. Logits are ne
 for them, so sampling can never emit an id >= vocab_size.
 
 Training calls `GPT.forward(idx, targets)`, which computes the loss from the final hidden
-states with `fused_loss` and never builds the (B, T, V) logits. Generation (core/generate.py) runs
+states with `fused_loss` and never builds the (B, T, V) logits. Generation
+(gpt2_fused/core/generate.py) runs
 the blocks through a KV cache on a separate path (`_decode`), so the training forward is plain
 nanoGPT.
 """
@@ -19,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core import generate
 from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
-from kernels import attention, cublaslt, gemv
-from kernels.mlp import mlp_cublaslt
+from gpt2_fused.core import generate
+from gpt2_fused.kernels import attention, cublaslt, gemv
+from gpt2_fused.kernels.mlp import mlp_cublaslt
 
 # name -> (n_layer, n_head, n_embd); block size 1024, vocab 50257 for all of them.
 _PRESETS = {
@@ -141,7 +142,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             # the keys/values to attend to and a mask: a prefill gets its T new ones and None
             # (causal among them), a decoding step the whole static cache (B, nh, max_len, hs)
-            # and its additive mask (1, 1, 1, max_len) (core/generate.py)
+            # and its additive mask (1, 1, 1, max_len) (gpt2_fused/core/generate.py)
             k, v, mask = cache.read(layer) if stored else cache.update(layer, k, v)
         dropout_p = self.dropout if self.training else 0.0
         # without a cache always causal (T == 1 too: one query, one key), so that no SymBool
@@ -200,7 +201,7 @@ class Block(nn.Module):
 
     def _decode_row(self, x, cache, layer):
         """forward for a decoding step of one sequence (x (1, 1, C), bf16/fp16 on CUDA, cache a
-        generate.StaticKVCache): four GEMVs (kernels/gemv.py), the LayerNorms in the
+        generate.StaticKVCache): four GEMVs (gpt2_fused/kernels/gemv.py), the LayerNorms in the
         prologues of c_attn and c_fc, the key and value stores in c_attn's epilogue, the
         residual adds in the projections'. Same math, fewer kernels: at batch 1 the small ones
         cost as much as reading the weights (bench/RESULTS.md#sampling)."""
@@ -345,8 +346,9 @@ class GPT(nn.Module):
 
     def _decode(self, idx, pos, cache):
         """Run idx (B, T) at positions pos (a slice, or a (T,) int64 tensor) through the blocks,
-        whose attention stores and reads keys/values through cache.update (core/generate.py); return
-        the fp32 logits (B, vocab_size) of the last position."""
+        whose attention stores and reads keys/values through cache.update
+        (gpt2_fused/core/generate.py); return the fp32 logits (B, vocab_size) of the last
+        position."""
         wpe = self.transformer.wpe.weight[pos]  # a slice is a view: no arange, no gather
         x = self._residual(self.transformer.drop(self.transformer.wte(idx) + wpe))
         for i, block in enumerate(self.transformer.h):

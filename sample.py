@@ -6,7 +6,8 @@
 
 With no prompt, samples start from <|endoftext|>, as GPT-2's unconditional samples do.
 Generation uses a static KV cache and, on CUDA, a one-token step replayed as a CUDA graph
-(--decode, core/generate.py); past block_size the context is cropped to the last block_size tokens.
+(--decode, gpt2_fused/core/generate.py); past block_size the context is cropped to the last
+block_size tokens.
 The same --seed on the same device gives the same text. One sample is printed as its tokens
 come; the speed goes to stderr at the end.
 """
@@ -19,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from core import generate, model_io
-from core.checkpoint import CheckpointError
-from core.device import DTYPES, pick_device, resolve_dtype
-from core.errors import run_main
+from gpt2_fused.core import generate, model_io
+from gpt2_fused.core.checkpoint import CheckpointError
+from gpt2_fused.core.device import DTYPES, pick_device, resolve_dtype
+from gpt2_fused.core.errors import run_main
 
 
 def load_model(ckpt=None, hf_dir=None, device="cpu", dtype=torch.float32):
@@ -57,7 +58,7 @@ def parse_args(argv=None):
         "--decode",
         default="auto",
         choices=["auto", *generate.MODES],
-        help="auto: graph on CUDA, eager on CPU (core/generate.py)",
+        help="auto: graph on CUDA, eager on CPU (gpt2_fused/core/generate.py)",
     )
     args = p.parse_args(argv)
     if args.num_samples < 1:

@@ -4,8 +4,8 @@
     python train.py configs/gpt2_124m_fineweb.py --batch_size=32 --resume
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m_fineweb.py
 
-Settings are the fields of `TrainConfig` (core/config.py) and of the model's `GPTConfig` nested in
-it; a config file (Python, run with runpy: `name = value` lines) sets some of them, then
+Settings are the fields of `TrainConfig` (gpt2_fused/core/config.py) and of the model's `GPTConfig`
+nested in it; a config file (Python, run with runpy: `name = value` lines) sets some of them, then
 `--name=value` arguments override (parsed as Python literals). Checkpoints go to
 out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest one.
 """
@@ -22,8 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from core import distributed, fp8, sharding
-from core.checkpoint import (
+from data import hellaswag, resolve_dataset
+from data.loader import DataLoader, iter_val_batches
+from data.shards import DataError, read_shard
+from data.tokenizer import EOT, get_tokenizer
+from gpt2_fused.core import distributed, fp8, sharding
+from gpt2_fused.core.checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_for_resume,
@@ -32,18 +36,25 @@ from core.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from core.compile_guard import check_training_step, compiled_loss_mismatch, compiler_settings
-from core.config import ConfigError, TrainConfig, flat, grad_accum_steps, help_text, load_config
-from core.device import peak_flops, resolve_dtype
-from core.errors import run_main
-from core.model_io import checkpoint_settings
-from core.optim import get_lr
-from core.runlog import LogError, RunLog, StepLog, StepStats, git_sha, triton_version
-from core.signals import StopFlag
-from data import hellaswag, resolve_dataset
-from data.loader import DataLoader, iter_val_batches
-from data.shards import DataError, read_shard
-from data.tokenizer import EOT, get_tokenizer
+from gpt2_fused.core.compile_guard import (
+    check_training_step,
+    compiled_loss_mismatch,
+    compiler_settings,
+)
+from gpt2_fused.core.config import (
+    ConfigError,
+    TrainConfig,
+    flat,
+    grad_accum_steps,
+    help_text,
+    load_config,
+)
+from gpt2_fused.core.device import peak_flops, resolve_dtype
+from gpt2_fused.core.errors import run_main
+from gpt2_fused.core.model_io import checkpoint_settings
+from gpt2_fused.core.optim import get_lr
+from gpt2_fused.core.runlog import LogError, RunLog, StepLog, StepStats, git_sha, triton_version
+from gpt2_fused.core.signals import StopFlag
 from model import GPT, IMPL_KEYS
 
 __all__ = ["TrainConfig", "main"]  # scripts import TrainConfig from here
@@ -51,8 +62,8 @@ __all__ = ["TrainConfig", "main"]  # scripts import TrainConfig from here
 # what --resume reads from a checkpoint (save() writes these and more)
 RESUME_KEYS = ("model", "model_config", "optimizer", "step", "loader", "rng")
 
-# errors the user can fix: one line on the command line (core/errors.py; GPT2_DEBUG=1 for a
-# traceback)
+# errors the user can fix: one line on the command line (gpt2_fused/core/errors.py; GPT2_DEBUG=1
+# for a traceback)
 USER_ERRORS = {
     ConfigError: "config error",
     DataError: "data error",
@@ -268,7 +279,7 @@ def print_start(run, compile_mode, globs, tokens_per_step, notes):
 def train_step(run, step, grad_accum, stop, check):
     """One optimizer step over grad_accum micro-batches; returns its StepStats (read later).
     check: compare the first micro-batch's compiled loss with eager mode's before the update
-    (core/compile_guard.py)."""
+    (gpt2_fused/core/compile_guard.py)."""
     cfg, procs, optimizer = run.cfg, run.procs, run.optimizer
     device, ddp = procs.device, procs.ddp
     lr = get_lr(step, cfg)

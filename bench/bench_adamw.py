@@ -17,12 +17,13 @@ the parameter shapes of a GPT-2 preset (fp32 params, grads and moments, as train
   read once, not three times (norm, scale in place, step);
 - triton flat: the same kernel once over all parameters laid end to end: the bandwidth a single
   launch reaches (train.py's parameters are separate tensors, so this is a bound, not an option);
-- MultiTensorAdamW (kernels/adamw.py, train.py's default on CUDA): the norm and the step each
-  in one launch over all tensors, through tables of their addresses.
+- MultiTensorAdamW (gpt2_fused/kernels/adamw.py, train.py's default on CUDA): the norm and the
+  step each in one launch over all tensors, through tables of their addresses.
 
 and checks that `triton` leaves the same parameters and moments as `torch` after a few steps.
 Floor: AdamW reads p, g, m, v and writes p, m, v (28 bytes per parameter); the norm reads g
-(4 more). The per-tensor and flat kernels here are exploratory; train.py uses kernels/adamw.py.
+(4 more). The per-tensor and flat kernels here are exploratory; train.py uses
+gpt2_fused/kernels/adamw.py.
 """
 
 import argparse
@@ -34,8 +35,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from core import optim  # noqa: E402
-from kernels.adamw import MultiTensorAdamW  # noqa: E402
+from gpt2_fused.core import optim  # noqa: E402
+from gpt2_fused.kernels.adamw import MultiTensorAdamW  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 PRESETS = ("124M", "350M", "774M", "1558M")

@@ -12,7 +12,7 @@ Prints a table last. On an H200 with torch 2.11, torch's pick is cuDNN's kernel 
 (bench/RESULTS.md#attention).
 --branch times the training branch instead: c_attn + attention forward + backward under bf16
 autocast with an fp32 weight (GPU ms, median of rounds), torch's path (nn.Linear + SDPA) compiled
-against kernels/attention.py's op (model attn_impl="fast") compiled. Its passes alone
+against gpt2_fused/kernels/attention.py's op (model attn_impl="fast") compiled. Its passes alone
 (colsum.qkv_grad, colsum) are bench/bench_colsum.py's, timed as CUDA graphs.
 """
 
@@ -109,7 +109,7 @@ def measure(name, batch, repeats):
 def branch(name, batch, repeats):
     """Rows (shape, case, ms) of the --branch timings."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from kernels import attention
+    from gpt2_fused.kernels import attention
 
     n_head, C = SHAPES[name]
     B, T = batch, 1024

@@ -1,4 +1,4 @@
-"""Bias-gradient column sums (kernels/colsum.py) against torch, at GPT-2's shapes.
+"""Bias-gradient column sums (gpt2_fused/kernels/colsum.py) against torch, at GPT-2's shapes.
 
     python bench/bench_colsum.py [--repeats 7]
 
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemv import graph_us  # noqa: E402
 
-from kernels import colsum  # noqa: E402
+from gpt2_fused.kernels import colsum  # noqa: E402
 
 SHAPES = {"124M:32": (32768, 768), "1558M:16": (16384, 1600)}
 VARIANTS = [

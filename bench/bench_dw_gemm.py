@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_exp_gemm import events  # noqa: E402
 
 from fused_loss import linear_cross_entropy as fl  # noqa: E402
-from kernels.interpreter import to_dtype  # noqa: E402
+from gpt2_fused.kernels.interpreter import to_dtype  # noqa: E402
 
 V = 50304
 SHAPES = {"124M": (32768, 768), "1558M": (16384, 1600)}

@@ -15,8 +15,8 @@ and wait for each other; then they time one at a time (a lock), with the host ot
 --profile variants also print their top CUDA kernels over 3 profiled steps. Writes
 DIR/bench_fp8.json.
 
-The variants are what core/fp8.py could do with torchao's public float8 API, to choose among
-them; train.py's --fp8 runs "tensorwise" and "rowwise" as defined here.
+The variants are what gpt2_fused/core/fp8.py could do with torchao's public float8 API, to choose
+among them; train.py's --fp8 runs "tensorwise" and "rowwise" as defined here.
 """
 
 import argparse
@@ -33,7 +33,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from core.fp8 import BLOCK_LINEARS  # noqa: E402
+from gpt2_fused.core.fp8 import BLOCK_LINEARS  # noqa: E402
 
 # name -> how to build it. recipe: torchao's float8 recipe (None: no FP8); linears: which of
 # each block's Linears to convert; auto: torchao's size filter on top; fast_accum: the backward
@@ -82,7 +82,7 @@ def float8_config(v):
 def _attention_fp8_proj(self, x, cache=None, layer=0, residual=None):
     """CausalSelfAttention.forward with the attention op for c_attn (bf16) and c_proj through its
     module (a Float8Linear): the no_qkv variant."""
-    from kernels import attention
+    from gpt2_fused.kernels import attention
 
     y = attention.attention_fast(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
     if y is None:
@@ -123,8 +123,8 @@ def convert(model, v):
 
 def child(args, name):
     """One variant, in this process: its result as a dict."""
-    from core.compile_guard import compiler_settings
-    from core.config import load_config
+    from gpt2_fused.core.compile_guard import compiler_settings
+    from gpt2_fused.core.config import load_config
     from model import GPT, GPTConfig
 
     v = VARIANTS[name]

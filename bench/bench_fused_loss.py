@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fused_loss.linear_cross_entropy as fl  # noqa: E402
-from core import model_io  # noqa: E402
 from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
+from gpt2_fused.core import model_io  # noqa: E402
 
 SHAPES = {"124M": (32768, 768, 50304), "1558M": (16384, 1600, 50304), "256k": (8192, 2304, 256000)}
 MiB = 2**20

@@ -9,7 +9,7 @@ Per GPT-2 block shape (c_attn, attn c_proj, c_fc + GELU, mlp c_proj), µs per ca
 weight bytes for:
     cublas          F.linear (then F.gelu): a step without the GEMV
     loop            an earlier GEMV (a runtime K loop of 512-wide loads, no PDL), kept here
-    gemv            kernels.gemv as model.py runs it (whole rows at once, PDL on Hopper)
+    gemv            gpt2_fused.kernels.gemv as model.py runs it (whole rows at once, PDL on Hopper)
     gemv no-pdl     its kernel launched plainly (gemv_variant)
     e{E} w{W}       its kernel with E weight elements per program, W warps (gemv_variant)
     block torch     what model.Block ran around the matmul before: F.layer_norm + F.linear
@@ -31,8 +31,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from kernels import gemv  # noqa: E402
-from kernels.interpreter import to_dtype  # noqa: E402
+from gpt2_fused.kernels import gemv  # noqa: E402
+from gpt2_fused.kernels.interpreter import to_dtype  # noqa: E402
 
 SHAPES = {  # (N, K, GELU, what model.Block fuses into it) of a block's four linear layers
     "124M": [(2304, 768, False, "ln"), (768, 768, False, "residual"), (3072, 768, True, "ln"),
@@ -81,9 +81,9 @@ def gemv_loop(x, w, b, gelu):
 
 
 def gemv_variant(x, w, b, gelu, elements=gemv.ELEMENTS, num_warps=gemv.NUM_WARPS, use_pdl=None):
-    """kernels.gemv's kernel (bias, GELU; no LayerNorm, residual or cache) at another launch:
-    `elements` weights a program (its block_n rule otherwise), num_warps, PDL or not (None: as
-    gemv launches it)."""
+    """gpt2_fused.kernels.gemv's kernel (bias, GELU; no LayerNorm, residual or cache) at another
+    launch: `elements` weights a program (its block_n rule otherwise), num_warps, PDL or not
+    (None: as gemv launches it)."""
     use_pdl = gemv.pdl(x.device) if use_pdl is None else use_pdl
     n, k = w.shape
     y = torch.empty(n, dtype=x.dtype, device=x.device)

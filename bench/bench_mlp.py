@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_fused_loss import timed  # noqa: E402
 
-from kernels.mlp import mlp_cublaslt, mlp_reference  # noqa: E402
+from gpt2_fused.kernels.mlp import mlp_cublaslt, mlp_reference  # noqa: E402
 
 SHAPES = {"124M": (32768, 768), "1558M": (16384, 1600)}
 
@@ -120,7 +120,7 @@ def main():
                 profile(label, functools.partial(run, fns[label], x, params, dout))
         base = rows["torch.compile"]["ms"]
         print(f"cublaslt compiled / torch.compile: {rows['cublaslt compiled']['ms'] / base:.3f}")
-    from kernels import cublaslt
+    from gpt2_fused.kernels import cublaslt
 
     for key, times in cublaslt.TUNING.items():
         print("tuning", key, " ".join(f"{t:.3f}" for t in times))

@@ -35,8 +35,8 @@ from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from core import generate  # noqa: E402
-from core.device import pick_device, resolve_dtype  # noqa: E402
+from gpt2_fused.core import generate  # noqa: E402
+from gpt2_fused.core.device import pick_device, resolve_dtype  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 TEMPERATURE, TOP_K = 0.8, 200

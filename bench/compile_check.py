@@ -147,7 +147,7 @@ def main():
 
             settings.enter_context(inductor_config.patch(**o["inductor"]))
         if o["trainer"]:
-            from core import compile_guard, config
+            from gpt2_fused.core import compile_guard, config
 
             settings.enter_context(compile_guard.compiler_settings(config.TrainConfig()))
         for n, m in dropouts.items():  # put back, or swapped for Identity

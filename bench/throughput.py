@@ -66,7 +66,7 @@ if profile:  # steps 10-12 only: past compilation and warm-up, before the final 
     from torch.profiler import ProfilerActivity, profile as prof_ctx, schedule
     sched = schedule(wait=9, warmup=1, active=3, repeat=1)
     with prof_ctx(activities=[ProfilerActivity.CUDA], schedule=sched) as prof:
-        from core import runlog
+        from gpt2_fused.core import runlog
         fmt = runlog.format_step
         def stepping(rec, max_steps):  # the loop calls this once per optimizer step
             prof.step()

@@ -15,8 +15,8 @@ run the same pipeline on local files (see data/prepare.py for the formats), with
 
 import argparse
 
-from core.errors import run_main
 from data.prepare import CACHE_DIR, CLI_ERRORS, add_prepare_args, prepare, run_local
+from gpt2_fused.core.errors import run_main
 
 
 def hub_docs(version="10BT", edu=False):

@@ -10,8 +10,8 @@ shards. Local text files use the TinyStories release format: stories separated b
 
 import argparse
 
-from core.errors import run_main
 from data.prepare import CACHE_DIR, CLI_ERRORS, add_prepare_args, prepare, run_local
+from gpt2_fused.core.errors import run_main
 
 HUB_REPO = "roneneldan/TinyStories"
 

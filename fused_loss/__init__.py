@@ -6,7 +6,7 @@
     reference.py             linear_cross_entropy_reference: the torch path it is tested against
     checks.py                input checks shared by both
 
-The chunk GEMMs go through kernels/cublaslt.py. On CPU the kernels run under the Triton
+The chunk GEMMs go through gpt2_fused/kernels/cublaslt.py. On CPU the kernels run under the Triton
 interpreter when TRITON_INTERPRET=1, else the torch reference.
 """
 

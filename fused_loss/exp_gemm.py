@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from fused_loss.triton_kernels import LOG2E, _logits, _row_loss, _row_weight, _tanh, _target
-from kernels.interpreter import to_dtype
+from gpt2_fused.kernels.interpreter import to_dtype
 
 REBASE = 64.0  # nats: E <= e^64 and S <= V e^64 stay finite in bf16 / fp32
 

@@ -5,7 +5,7 @@ Forward computes the loss and, when gradients are wanted, dx and dw in the same 
 is the last op of the model, so the backward only scales them by the upstream gradient (3 GEMMs,
 not 4). reduction="none" cannot be precomputed that way (each row's upstream gradient is unknown
 in forward), so its backward runs the pass again with those per-row weights. The chunk GEMMs go
-through kernels/cublaslt.py (algorithms chosen by timing), except the logits GEMM of the
+through gpt2_fused/kernels/cublaslt.py (algorithms chosen by timing), except the logits GEMM of the
 single-read path on Hopper, which is exp_gemm.py's Triton kernel with the row pass in its
 epilogue. The options (bias, softcap, z_loss, label_smoothing, return_lse) live in the two-read
 row kernel and in exp_gemm's kernels, label smoothing in the former only; calls with options
@@ -22,7 +22,7 @@ import triton
 from fused_loss import exp_gemm, triton_kernels
 from fused_loss.checks import check_inputs
 from fused_loss.reference import linear_cross_entropy_reference
-from kernels import cublaslt
+from gpt2_fused.kernels import cublaslt
 
 # The launch of the row kernels (triton_kernels.py), by device ("cpu": the Triton interpreter in
 # tests, small blocks so that small ragged shapes span several); bench/RESULTS.md#fused-loss.
@@ -57,7 +57,7 @@ LAUNCH = {
 # fmt: on
 # The chunk GEMMs (bf16/fp16; fp32 GEMMs stay torch's): each shape's algorithm is chosen on its
 # first call by timing the cuBLASLt heuristic's first LT_CANDIDATES (LT_WORKSPACE bytes of
-# workspace at most) and torch's own call (kernels/cublaslt.py)
+# workspace at most) and torch's own call (gpt2_fused/kernels/cublaslt.py)
 LT_CANDIDATES = 16
 LT_WORKSPACE = 0
 REGS_PER_SM = 65536  # 32-bit registers per SM on sm_70 .. sm_90

@@ -64,13 +64,13 @@ A block whose max passes c + REBASE (60 nats; e^60 * V still fits fp32) raises c
 rescales the row's already written E (rare: only rows whose first block is far below their max).
 
 Under the CPU interpreter (INTERPRETED) the stores' fp32 -> bf16 casts go through
-kernels.interpreter.to_dtype, which rounds as the GPU does.
+gpt2_fused.kernels.interpreter.to_dtype, which rounds as the GPU does.
 """
 
 import triton
 import triton.language as tl
 
-from kernels.interpreter import to_dtype
+from gpt2_fused.kernels.interpreter import to_dtype
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: compiled kernels may read no other global
 

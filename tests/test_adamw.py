@@ -1,5 +1,5 @@
-"""kernels/adamw.py: MultiTensorAdamW against adamw_reference (and torch.optim.AdamW, which the
-reference must match), on CPU through the Triton interpreter and on CUDA."""
+"""gpt2_fused/kernels/adamw.py: MultiTensorAdamW against adamw_reference (and torch.optim.AdamW,
+which the reference must match), on CPU through the Triton interpreter and on CUDA."""
 
 import math
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from sm90 import compile_for_sm90, needs_nvidia_backend
 
-from core import optim
-from kernels.adamw import MultiTensorAdamW, adamw_reference, total_norm_reference
+from gpt2_fused.core import optim
+from gpt2_fused.kernels.adamw import MultiTensorAdamW, adamw_reference, total_norm_reference
 
 CUDA = pytest.param(
     "cuda",
@@ -171,7 +171,7 @@ COMPILE = r"""
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import adamw
+from gpt2_fused.kernels import adamw
 
 def build(fn, sig, aligned):
     consts = dict(BLOCK=adamw.BLOCK, ALIGNED=aligned)

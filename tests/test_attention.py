@@ -1,10 +1,10 @@
-"""kernels/attention.py: c_attn + cuDNN attention as one op (model.attn_impl) and c_proj with the
-residual add in its epilogue, against attention_reference / proj_residual_reference."""
+"""gpt2_fused/kernels/attention.py: c_attn + cuDNN attention as one op (model.attn_impl) and c_proj
+with the residual add in its epilogue, against attention_reference / proj_residual_reference."""
 
 import pytest
 import torch
 
-from kernels import attention
+from gpt2_fused.kernels import attention
 from model import GPT, GPTConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

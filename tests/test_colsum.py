@@ -1,11 +1,11 @@
-"""kernels/colsum.py: bias-gradient column sums, and the qkv gradient laid out in the same pass,
-against colsum_reference / qkv_grad_reference (on CPU under the Triton interpreter)."""
+"""gpt2_fused/kernels/colsum.py: bias-gradient column sums, and the qkv gradient laid out in the
+same pass, against colsum_reference / qkv_grad_reference (on CPU under the Triton interpreter)."""
 
 import pytest
 import torch
 from sm90 import PTXAS_V, compile_for_sm90, needs_nvidia_backend
 
-from kernels import colsum
+from gpt2_fused.kernels import colsum
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,7 +69,7 @@ COMPILE = r"""
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import colsum
+from gpt2_fused.kernels import colsum
 
 cfg = colsum.LAUNCH["cuda"]
 sig = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", cat_ptr="*bf16", part_ptr="*fp32",

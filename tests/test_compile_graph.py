@@ -2,10 +2,10 @@
 
 torch.compile traces GPT.forward with Dynamo, which cannot trace ctypes (it graph-breaks) and
 ignores functools.cache (it re-traces the cached body every time). So library probing
-(kernels/cublaslt.py loads libcublasLt through ctypes) and cached look-ups must be decided
-once, outside the forward. The CPU test walks the functions the forward can call, by the names
-their bytecode loads, and fails on any such probe; the GPU test compiles with fullgraph=True for
-every fast-path switch.
+(gpt2_fused/kernels/cublaslt.py loads libcublasLt through ctypes) and cached look-ups must be
+decided once, outside the forward. The CPU test walks the functions the forward can call, by the
+names their bytecode loads, and fails on any such probe; the GPU test compiles with
+fullgraph=True for every fast-path switch.
 """
 
 import builtins
@@ -17,10 +17,10 @@ import types
 import pytest
 import torch
 
-from kernels import cublaslt
+from gpt2_fused.kernels import cublaslt
 from model import GPT, GPTConfig
 
-OURS = ("model", "fused_loss", "kernels", "data")  # modules whose functions the walk follows
+OURS = ("model", "fused_loss", "gpt2_fused", "data")  # modules whose functions the walk follows
 
 
 def _probe(obj):
@@ -30,7 +30,7 @@ def _probe(obj):
     if isinstance(obj, functools._lru_cache_wrapper):
         return "a functools.cache function (Dynamo re-traces its body at every call)"
     if callable(obj) and getattr(obj, "__module__", None) == cublaslt.__name__:
-        return "kernels.cublaslt's Python side (ctypes)"
+        return "gpt2_fused.kernels.cublaslt's Python side (ctypes)"
     return None
 
 
@@ -110,8 +110,8 @@ def test_forward_reaches_no_library_probe(loss_impl, mlp_impl):
     assert not found, found
     # the walk is not vacuous: it reaches the fast paths' entry points
     from fused_loss import fused_linear_cross_entropy
-    from kernels.attention import attention_fast
-    from kernels.mlp import mlp_cublaslt
+    from gpt2_fused.kernels.attention import attention_fast
+    from gpt2_fused.kernels.mlp import mlp_cublaslt
 
     assert {fused_linear_cross_entropy, mlp_cublaslt, attention_fast} <= seen
 

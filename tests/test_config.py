@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import train
-from core import checkpoint, optim
-from core.config import ConfigError, TrainConfig, flat, grad_accum_steps, load_config
-from core.device import peak_flops
-from core.errors import run_main
-from core.optim import get_lr
+from gpt2_fused.core import checkpoint, optim
+from gpt2_fused.core.config import ConfigError, TrainConfig, flat, grad_accum_steps, load_config
+from gpt2_fused.core.device import peak_flops
+from gpt2_fused.core.errors import run_main
+from gpt2_fused.core.optim import get_lr
 from model import GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

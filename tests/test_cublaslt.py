@@ -1,4 +1,4 @@
-"""kernels/cublaslt.py: the ctypes cuBLASLt matmul, its layouts and its algorithm timing.
+"""gpt2_fused/kernels/cublaslt.py: the ctypes cuBLASLt matmul, its layouts and its algorithm timing.
 
 The matmul itself needs a GPU (tests/test_mlp.py and tests/test_fused_loss.py run it at real sizes
 under `-m gpu`); the layout logic and what the timing may touch are tested here on CPU.
@@ -7,7 +7,7 @@ under `-m gpu`); the layout logic and what the timing may touch are tested here 
 import pytest
 import torch
 
-from kernels import cublaslt
+from gpt2_fused.kernels import cublaslt
 
 
 def test_operand_layouts():

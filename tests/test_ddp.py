@@ -12,9 +12,9 @@ import torch
 
 import train
 from conftest import read_log
-from core import checkpoint, compile_guard
 from data.loader import DataLoader
 from data.shards import write_shard
+from gpt2_fused.core import checkpoint, compile_guard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -177,7 +177,7 @@ def test_exit_if_launched_leaves_only_under_torchrun(monkeypatch):
     """After a clean end under torchrun the process leaves through os._exit(0), skipping the
     interpreter's finalisation (where gloo's threads once aborted a finished rank); outside
     torchrun it returns and the interpreter ends as usual."""
-    from core import distributed
+    from gpt2_fused.core import distributed
 
     calls = []
     monkeypatch.setattr(distributed.os, "_exit", lambda code: calls.append(code))

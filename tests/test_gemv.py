@@ -1,12 +1,12 @@
-"""kernels/gemv.py: the batch-1 decoding GEMV (LayerNorm prologue, bias, GELU, residual add)
-against gemv_reference in fp64, alone and as model.Block's decoding step."""
+"""gpt2_fused/kernels/gemv.py: the batch-1 decoding GEMV (LayerNorm prologue, bias, GELU, residual
+add) against gemv_reference in fp64, alone and as model.Block's decoding step."""
 
 import pytest
 import torch
 from sm90 import compile_for_sm90, needs_nvidia_backend
 
-from core import generate
-from kernels import gemv
+from gpt2_fused.core import generate
+from gpt2_fused.kernels import gemv
 from model import GPT, GPTConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -169,7 +169,7 @@ COMPILE = r"""
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import gemv
+from gpt2_fused.kernels import gemv
 
 out = {}
 for k in (1600, 6400):

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from core import generate
-from core.generate import sample
+from gpt2_fused.core import generate
+from gpt2_fused.core.generate import sample
 from model import GPT, GPTConfig
 
 V, VP = 50257, 50304

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import eval_hellaswag
-from core import model_io
 from data import hellaswag as hs
 from data.tokenizer import get_tokenizer
+from gpt2_fused.core import model_io
 from model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent

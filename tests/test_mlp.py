@@ -1,10 +1,10 @@
-"""kernels/mlp.py: GPT-2's MLP with the GELU in cuBLASLt epilogues (model.mlp_impl), against
-mlp_reference."""
+"""gpt2_fused/kernels/mlp.py: GPT-2's MLP with the GELU in cuBLASLt epilogues (model.mlp_impl),
+against mlp_reference."""
 
 import pytest
 import torch
 
-from kernels import cublaslt, mlp
+from gpt2_fused.kernels import cublaslt, mlp
 from model import GPT, GPTConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

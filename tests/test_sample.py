@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import sample
-from core import model_io
 from data.tokenizer import EOT, get_tokenizer
+from gpt2_fused.core import model_io
 from model import GPT, GPTConfig
 
 V, VP = 50257, 50304

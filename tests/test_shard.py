@@ -21,9 +21,9 @@ import torch
 import sample
 import train
 from conftest import TINY, read_log
-from core import sharding
-from core.config import ConfigError, TrainConfig
-from core.distributed import Processes
+from gpt2_fused.core import sharding
+from gpt2_fused.core.config import ConfigError, TrainConfig
+from gpt2_fused.core.distributed import Processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 20

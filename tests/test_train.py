@@ -17,11 +17,11 @@ import torch.nn.functional as F
 
 import train
 from conftest import read_log
-from core import compile_guard, config, model_io
-from core.checkpoint import list_checkpoints
-from core.compile_guard import CompileMismatch
 from data import resolve_dataset
 from data.loader import iter_val_batches
+from gpt2_fused.core import compile_guard, config, model_io
+from gpt2_fused.core.checkpoint import list_checkpoints
+from gpt2_fused.core.compile_guard import CompileMismatch
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -711,7 +711,7 @@ def test_gpu_compiled_xl_width_step_matches_eager(loss_impl):
 
 _HEAP_PROBE = """
 import ctypes, sys, torch
-from core import device
+from gpt2_fused.core import device
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33, <malloc.h>
     _names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
     _fields_ = [(name, ctypes.c_size_t) for name in _names.split()]

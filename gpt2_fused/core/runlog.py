@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from core.checkpoint import newest_note
-from core.config import flat
+from gpt2_fused.core.checkpoint import newest_note
+from gpt2_fused.core.config import flat
 
 
 class StepStats:

@@ -40,11 +40,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kernels.colsum import colsum
-from kernels.cublaslt import EPI_BIAS, EPI_DGELU, EPI_GELU_AUX_BIAS, matmul
+from gpt2_fused.kernels.colsum import colsum
+from gpt2_fused.kernels.cublaslt import EPI_BIAS, EPI_DGELU, EPI_GELU_AUX_BIAS, matmul
 
 
-@torch.library.custom_op("kernels::dgelu_mm", mutates_args=())
+@torch.library.custom_op("gpt2_fused::dgelu_mm", mutates_args=())
 def dgelu_mm(dy: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """(dy @ w) * gelu_tanh'(h); dy (M, D), w (D, F), h (M, F), one dtype."""
     dh = torch.empty_like(h, memory_format=torch.contiguous_format)
@@ -57,7 +57,7 @@ def _(dy, w, h):
     return torch.empty_like(h, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("kernels::mlp_gelu", mutates_args=())
+@torch.library.custom_op("gpt2_fused::mlp_gelu", mutates_args=())
 def mlp_gelu(
     x: torch.Tensor,
     w_fc: torch.Tensor,

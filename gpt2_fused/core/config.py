@@ -18,8 +18,8 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field, replace
 
-from core.compile_guard import BUFFER_REUSE, COMPILE_MODES
-from core.fp8 import RECIPES as FP8_RECIPES
+from gpt2_fused.core.compile_guard import BUFFER_REUSE, COMPILE_MODES
+from gpt2_fused.core.fp8 import RECIPES as FP8_RECIPES
 from model import IMPLS, GPTConfig, setting
 
 
@@ -44,7 +44,8 @@ class TrainConfig:
     # GPT-2 preset, and its other fields (n_layer, softcap, loss_impl, ...) override that
     model: GPTConfig = field(default_factory=small_model)
     adamw_impl: str = setting("fast", '"fast": one Triton launch (CUDA fp32); "torch": torch.optim')
-    # the blocks' Linears on FP8 tensor cores through torchao (core/fp8.py); lm_head stays bf16
+    # the blocks' Linears on FP8 tensor cores through torchao (gpt2_fused/core/fp8.py); lm_head
+    # stays bf16
     fp8: str = setting("off", '"off", "tensorwise" or "rowwise": FP8 block GEMMs (torchao)')
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
     batch_size: int = setting(8, "micro-batch size per process (sequences)")

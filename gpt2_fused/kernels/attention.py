@@ -27,8 +27,8 @@ attention_reference and proj_residual_reference are the same two ops in plain to
 import torch
 import torch.nn.functional as F
 
-from kernels.colsum import qkv_grad
-from kernels.mlp import half_compute_dtype, linear_add, mm_as
+from gpt2_fused.kernels.colsum import qkv_grad
+from gpt2_fused.kernels.mlp import half_compute_dtype, linear_add, mm_as
 
 
 def available():
@@ -60,7 +60,7 @@ def _forward(x, w_c, b, n_head):
     return out.transpose(1, 2).reshape(B, T, C), qkv, lse, seed, offset
 
 
-@torch.library.custom_op("kernels::attention", mutates_args=())
+@torch.library.custom_op("gpt2_fused::attention", mutates_args=())
 def attention(
     x: torch.Tensor, w: torch.Tensor, w_c: torch.Tensor, b: torch.Tensor, n_head: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -117,7 +117,7 @@ def attention_fast(x, w, b, n_head):
     return y
 
 
-@torch.library.custom_op("kernels::proj_residual", mutates_args=())
+@torch.library.custom_op("gpt2_fused::proj_residual", mutates_args=())
 def proj_residual(
     y: torch.Tensor, w: torch.Tensor, w_c: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
 ) -> torch.Tensor:

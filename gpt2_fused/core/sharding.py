@@ -36,8 +36,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from core.config import ConfigError
-from core.optim import adamw_parts, build_optimizer, clipped_step, load_optimizer_state
+from gpt2_fused.core.config import ConfigError
+from gpt2_fused.core.optim import adamw_parts, build_optimizer, clipped_step, load_optimizer_state
 
 MODES = ("none", "optimizer", "full")
 

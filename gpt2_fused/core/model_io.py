@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from gpt2_fused.core.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from model import GPT, IMPL_KEYS, GPTConfig
 
 # Settings added after checkpoints were first written, with the value those older checkpoints

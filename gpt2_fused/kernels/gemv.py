@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.interpreter import to_dtype
+from gpt2_fused.kernels.interpreter import to_dtype
 
 ELEMENTS = 8192  # weight elements a program loads (BLOCK_N rows of KP): 16 KB of bf16
 NUM_WARPS = 4
@@ -155,7 +155,7 @@ def gemv(x, w, b=None, *, gelu=False, ln=None, residual=None, kv=None, out_dtype
 
 # An opaque op to torch.compile: a compiled decoding step keeps the kernel (Inductor would use
 # cuBLAS for the matmul and its own LayerNorm) and fuses what is around it.
-@torch.library.custom_op("kernels::gemv", mutates_args=())
+@torch.library.custom_op("gpt2_fused::gemv", mutates_args=())
 def _gemv_op(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -176,7 +176,7 @@ def _(x, w, b, r, ln_w, ln_b, eps, gelu, out_dtype):
 
 
 # The same with the key and value stores; the caches are mutated in place.
-@torch.library.custom_op("kernels::gemv_kv", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("gpt2_fused::gemv_kv", mutates_args=("k_cache", "v_cache"))
 def _gemv_kv_op(
     x: torch.Tensor,
     w: torch.Tensor,

@@ -5,7 +5,7 @@ import math
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from kernels.adamw import MultiTensorAdamW
+from gpt2_fused.kernels.adamw import MultiTensorAdamW
 
 
 def adamw_parts(model, cfg, device):

@@ -146,7 +146,7 @@ def _check_2d(name, *ts):
                              f"{[u.stride() for u in ts]}")  # fmt: skip
 
 
-@torch.library.custom_op("kernels::colsum", mutates_args=())
+@torch.library.custom_op("gpt2_fused::colsum", mutates_args=())
 def colsum(t: torch.Tensor) -> torch.Tensor:
     """The column sums of t (M, N), row-major, in fp32."""
     _check_2d("colsum", t)
@@ -158,7 +158,7 @@ def _(t):
     return t.new_empty(t.shape[1], dtype=torch.float32)
 
 
-@torch.library.custom_op("kernels::qkv_grad", mutates_args=())
+@torch.library.custom_op("gpt2_fused::qkv_grad", mutates_args=())
 def qkv_grad(
     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
