@@ -40,6 +40,7 @@ from gpt2_fused.core.compile_guard import (
     check_training_step,
     compiled_loss_mismatch,
     compiler_settings,
+    pick_mode,
 )
 from gpt2_fused.core.config import (
     ConfigError,
@@ -342,6 +343,7 @@ def evaluate_and_log(run, step, run_log):
 def main(argv=None, train_loader=DataLoader):
     """train_loader: the training batches' source, called like DataLoader (bench/parity.py
     passes a reference sampler)."""
+    launched = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         print(help_text(__doc__))
@@ -366,6 +368,7 @@ def main(argv=None, train_loader=DataLoader):
         grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
         dtype = resolve_dtype(cfg.dtype, device)
         use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+        cfg.compile_mode = pick_mode(cfg.compile_mode, device, world_size)  # "auto" resolved
         torch.manual_seed(cfg.seed + rank)  # per rank, so dropout masks differ across ranks
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -418,7 +421,8 @@ def main(argv=None, train_loader=DataLoader):
             compile_mode = cfg.compile_mode if use_compile else False
             print_start(run, compile_mode, (train_glob, val_glob), tokens_per_step, notes)
             run_log.open(cfg, start_step, ConfigError)
-        meter = dict(tokens=tokens_per_step, flops=flops_per_step, peak=peak)
+        meter = dict(tokens=tokens_per_step, flops=flops_per_step, peak=peak, launched=launched)
+        meter["first"] = start_step
         steps = StepLog(run_log, print0, cfg, world_size=world_size, **meter)
         check_training = use_compile and cfg.check_compile and cfg.model.dropout == 0.0
         if use_compile and cfg.check_compile and not check_training:

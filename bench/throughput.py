@@ -6,13 +6,13 @@ the plain one, or other loss implementations and train.py arguments.
         [--profile 124M:32] [--max-batch auto] [--time-budget 400]
         [--train-args= --train-args="--compile_mode='reduce-overhead'" ...] [--torchrun]
 
---impls names configurations (IMPLS): "default" (train.py's defaults), "plain" (every fast path
-off: materialised logits, torch MLP, torch's fused AdamW, fp32 residual stream; the stand-in for
-nanoGPT's path), "torch" (only the loss switched to torch's), "fp8" / "fp8_rowwise" (the
-defaults with the blocks' GEMMs in FP8, --fp8=tensorwise / rowwise). --repeats runs every (run,
-impl) that many times, interleaved, and the table gives the median, with each impl's ratio to
-"plain" when both ran. A run is model:batch, or model:batch:steps:warmup to override --steps /
---warmup.
+--impls names configurations (IMPLS): "default" (train.py's defaults), "plain" (every fast path off:
+materialised logits, torch MLP, torch's fused AdamW, fp32 residual stream, compile mode "default";
+the stand-in for nanoGPT's path), "no_graphs" (the defaults without CUDA graphs), "torch" (only the
+loss switched to torch's), "fp8" / "fp8_rowwise" (the defaults with the blocks' GEMMs in FP8,
+--fp8=tensorwise / rowwise). --repeats runs every (run, impl) that many times, interleaved, and the
+table gives the median, with each impl's ratio to "plain" when both ran. A run is model:batch, or
+model:batch:steps:warmup to override --steps / --warmup.
 
 Each run is a fresh process calling train.main (compiled model, bf16 autocast, fused AdamW, one
 micro-batch per step: total batch = B * 1024) on a shard of uniform random tokens. Reported per
@@ -49,8 +49,9 @@ from data.shards import write_shard  # noqa: E402
 
 PRESETS = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
 PLAIN = ["--loss_impl='torch'", "--mlp_impl='torch'", "--attn_impl='torch'", "--adamw_impl='torch'"]
-PLAIN += ["--low_precision_residual=False"]
+PLAIN += ["--low_precision_residual=False", "--compile_mode='default'"]  # nanoGPT's compile
 IMPLS = {"default": [], "plain": PLAIN, "torch": ["--loss_impl='torch'"]}
+IMPLS["no_graphs"] = ["--compile_mode='default'"]  # the defaults without CUDA graphs
 IMPLS |= {"fp8": ["--fp8='tensorwise'"], "fp8_rowwise": ["--fp8='rowwise'"]}
 
 # Runs inside the child: train, then report peak memory (and the profile when asked).
@@ -165,7 +166,9 @@ def step_stats(log_path, warmup):
     mfu = statistics.median(r["mfu"] for r in steps) if steps[0].get("mfu") else None
     losses = [r["loss"] for r in recs if "loss" in r]  # a wrong or diverging run shows here
     tok_per_s = statistics.median(r["tok_per_s"] for r in steps)
-    return dict(ms=ms, tok_per_s=tok_per_s, mfu=mfu, loss_first=losses[0], loss_last=losses[-1])
+    startup = [r["startup_s"] for r in recs if "startup_s" in r]  # launch to step 1's end
+    return dict(ms=ms, tok_per_s=tok_per_s, mfu=mfu, loss_first=losses[0], loss_last=losses[-1],
+                startup_s=startup[0] if startup else float("nan"))  # fmt: skip
 
 
 def first_loss_outliers(runs, tol=1e-3):
@@ -224,7 +227,7 @@ def summarise(runs):
         ok = [r for r in rs if r["rc"] == 0]
         row = dict(model=model, batch=batch, impl=impl, train_args=extra, n=len(ok), of=len(rs))
         if ok:
-            for k in ("ms", "tok_per_s", "peak_gib", "loss_first", "loss_last"):
+            for k in ("ms", "tok_per_s", "peak_gib", "loss_first", "loss_last", "startup_s"):
                 row[k] = statistics.median(r[k] for r in ok)
             row["tok_per_s_all"] = [round(r["tok_per_s"]) for r in ok]
             row["mfu"] = statistics.median(r["mfu"] for r in ok) if ok[0].get("mfu") else None
@@ -238,13 +241,14 @@ def summarise(runs):
         if base and "tok_per_s" in row:
             row["vs_plain"] = row["tok_per_s"] / base[0]["tok_per_s"]
             row["peak_vs_plain"] = row["peak_gib"] / base[0]["peak_gib"]
+            row["startup_vs_plain"] = row["startup_s"] / base[0]["startup_s"]
     return rows
 
 
 def print_table(runs):
     cols = "model | batch | impl | train args | runs | ms/step | tok/s (median; each) | vs plain"
-    print(f"\n| {cols} | MFU | peak GiB | loss 1st, last |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\n| {cols} | MFU | peak GiB | loss 1st, last | start-up s (vs plain) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in summarise(runs):
         row = f"| {r['model']} | {r['batch']} | {r['impl']} | {r['train_args']} |"
         row += f" {r['n']}/{r['of']} |"
@@ -256,7 +260,8 @@ def print_table(runs):
         ratio = f"{r['vs_plain']:.3f}x" if "vs_plain" in r else ""
         print(
             f"{row} {r['ms']:.1f} | {r['tok_per_s']:,.0f} ({each}) | {ratio} | {mfu} | "
-            f"{r['peak_gib']:.2f} | {r['loss_first']:.4f}, {r['loss_last']:.4f} |"
+            f"{r['peak_gib']:.2f} | {r['loss_first']:.4f}, {r['loss_last']:.4f} | "
+            f"{r['startup_s']:.1f}" + (f" ({r['startup_vs_plain']:.2f}x) |" if ratio else " |")
         )
 
 

@@ -42,10 +42,12 @@ def test_step_stats_medians_after_warmup(tmp_path):
     recs += [
         dict(step=s, loss=10.0 - s, ms=100.0 + s, tok_per_s=1000.0 - s, mfu=0.4) for s in (1, 2, 3)
     ]
+    recs[1]["startup_s"] = 42.5  # train.py's start-up time rides on step 1's record
     recs.append(dict(step=3, val_loss=9.5))  # eval records carry no timing
     log.write_text("".join(json.dumps(r) + "\n" for r in recs))
     st = throughput.step_stats(str(log), warmup=1)
-    assert st == dict(ms=102.0, tok_per_s=998.0, mfu=0.4, loss_first=11.0, loss_last=7.0)
+    want = dict(ms=102.0, tok_per_s=998.0, mfu=0.4, loss_first=11.0, loss_last=7.0)
+    assert st == dict(want, startup_s=42.5)
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1e2])  # the clip idle (norm ~0.07), then cutting
@@ -144,6 +146,7 @@ def test_throughput_summary_takes_medians_and_the_ratio_to_plain():
 
     def r(impl, tok, peak, rc=0, model="124M"):
         stats = dict(ms=1e3 / tok, tok_per_s=tok, peak_gib=peak, loss_first=11.0, loss_last=10.0)
+        stats["startup_s"] = 40.0 if impl == "default" else 32.0
         return dict(model=model, batch=32, impl=impl, rc=rc, train_args="", mfu=0.5, **stats)
 
     runs = [r("default", t, 11.0) for t in (600.0, 590.0, 610.0)]
@@ -155,6 +158,7 @@ def test_throughput_summary_takes_medians_and_the_ratio_to_plain():
     assert rows["124M", "plain"]["of"] == 3
     assert rows["124M", "default"]["vs_plain"] == pytest.approx(600 / 490)
     assert rows["124M", "default"]["peak_vs_plain"] == pytest.approx(0.5)
+    assert rows["124M", "default"]["startup_vs_plain"] == pytest.approx(1.25)
     assert "vs_plain" not in rows["1558M", "default"]
     assert (
         throughput.train_args("124M", 32, "plain", 5, "d", "o")[-len(throughput.PLAIN) :]

@@ -79,7 +79,6 @@ def test_preset_sets_shape_and_explicit_keys_win(tmp_path):
         (["--final_lr_frac=2.0"], "final_lr_frac"),
         (["--dtype=fp16"], "dtype"),
         (["--compile_mode=fastest"], "compile_mode"),
-        (["--compile_mode='reduce-overhead'"], "eval_interval=0"),  # fails at step 0's eval
         (["--activation_memory_budget=0.0"], "activation_memory_budget"),
         (["--activation_memory_budget=1.5"], "activation_memory_budget"),
         (["--activation_memory_budget=0.9", "--dropout=0.1"], "dropout"),

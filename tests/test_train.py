@@ -663,18 +663,25 @@ def test_check_compile_drops_a_wrong_validation_graph(tiny_args, tmp_path, monke
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_train_main_compiled_with_checks(tiny_args, tmp_path, capsys):
-    """train.main on the GPU as users run it: compiled, bf16 autocast, the fused loss, the compile
-    check at steps 0 and 3 (after the step-2 evaluation) and at each evaluation; the loss falls
-    and the peak memory is reported."""
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_gpu_train_main_compiled_with_checks(tiny_args, tmp_path, capsys, mode):
+    """train.main on the GPU as users run it: compiled (with and without CUDA graphs), bf16
+    autocast, the fused loss, two micro-batches a step, the compile check at steps 0 and 3 (after
+    the step-2 evaluation) and at each evaluation, a sample and checkpoints; the loss falls, the
+    peak memory is reported, and a resumed run continues the log from the checkpoint."""
     args = [a for a in tiny_args if not a.startswith(("--device", "--dtype", "--compile"))]
-    args += ["--device=cuda", "--dtype=auto", "--loss_impl=fast", "--max_steps=6"]
-    args += ["--eval_interval=2", f"--out_dir={tmp_path}"]
-    train.main(args)
+    args += ["--device=cuda", "--dtype=auto", "--loss_impl=fast", f"--compile_mode={mode!r}"]
+    args += ["--eval_interval=2", "--sample_interval=3", "--ckpt_interval=3"]
+    train.main([*args, "--max_steps=6", f"--out_dir={tmp_path}"])
     out = capsys.readouterr().out
-    assert "compile default" in out and "peak GPU memory allocated" in out
+    assert f"compile {mode}" in out and "peak GPU memory allocated" in out
+    assert "sample at step 3" in out
     losses, vals = read_log(tmp_path)
     assert sorted(vals) == [0, 2, 4, 6] and vals[6] < vals[0]
+    train.main([*args, "--max_steps=8", f"--out_dir={tmp_path}", "--resume"])
+    assert "resumed from" in capsys.readouterr().out
+    losses, vals = read_log(tmp_path)
+    assert sorted(losses) == list(range(8)) and sorted(vals) == [0, 2, 4, 6, 8]
 
 
 @pytest.mark.gpu

@@ -18,13 +18,23 @@ BUFFER_REUSE = {  # buffer_reuse -> torch._inductor.config patch
     "no_inplace": dict(inplace_buffers=False),
     "none": dict(inplace_buffers=False, allow_buffer_reuse=False),
 }
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # elements. Inductor keeps a row in registers (a "persistent" reduction: one read) only up to
 # this; a wider row is reduced in a loop and read twice (torch/_inductor/choices.py)
 INDUCTOR_PERSISTENT_ROWS = 1024
 # nats. Right graphs are within 6e-5 of eager mode's loss at the first step (124M to 1558M); the
 # wrong ones seen were 5e-3 to 4.6e-2 off
 COMPILE_CHECK_TOL = 2e-3
+
+
+def pick_mode(mode, device, world_size):
+    """torch.compile's mode; "auto" is CUDA graphs ("reduce-overhead") for one process on a GPU:
+    replaying the step's graph takes the host's launch cost off it, which paces the step below
+    124M's micro-batch 32 (bench/RESULTS.md#cuda-graphs). Under torchrun "default": CUDA graphs
+    with DDP's and FSDP2's collectives are not measured here."""
+    if mode != "auto":
+        return mode
+    return "reduce-overhead" if device.type == "cuda" and world_size == 1 else "default"
 
 
 class CompileMismatch(RuntimeError):

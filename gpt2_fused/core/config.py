@@ -80,7 +80,7 @@ class TrainConfig:
     device: str = setting("auto", '"auto", "cpu", "cuda", "cuda:N"')
     dtype: str = setting("auto", '"auto" (bf16 on CUDA, fp32 on CPU), "bfloat16", "float32"')
     compile: bool | None = setting(None, "torch.compile the model (None: on for CUDA)")
-    compile_mode: str = setting("default", 'torch.compile mode: "default", "max-autotune", ...')
+    compile_mode: str = setting("auto", 'torch.compile mode: "auto", "default", ...')
     # 1 saves what the partitioner chooses; below 1 the backward recomputes cheap pointwise
     # activations instead of keeping them, trading a little time for memory
     activation_memory_budget: float = setting(1.0, "torch.compile activation memory budget")
@@ -276,16 +276,6 @@ def _check_ranges(cfg):
     if cfg.compile_mode not in COMPILE_MODES:
         raise ConfigError(
             f"config key 'compile_mode': one of {COMPILE_MODES}, not {cfg.compile_mode!r}"
-        )
-    # CUDA graphs: the validation before step 0 stops with "tensor(s) in the cudagraph pool not
-    # tracked as outputs" (torch 2.11, H200): cuBLASLt's cached workspace is first allocated in
-    # the pool there; training alone, and the final evaluation, run
-    # (bench/RESULTS.md#small-micro-batches)
-    if cfg.compile_mode == "reduce-overhead" and cfg.eval_interval > 0 and cfg.compile is not False:
-        raise ConfigError(
-            "compile_mode='reduce-overhead' fails at the validation before step 0 (a tensor left "
-            "in the CUDA-graph pool, README Known issues): pass eval_interval=0 (the final "
-            "evaluation still runs) or compile_mode='default'"
         )
 
 

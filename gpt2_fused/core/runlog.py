@@ -67,8 +67,11 @@ class StepLog:
     flush() reads the last one now (before an eval or checkpoint, which may stop the run). Both
     return whether any rank asked to stop. A non-finite loss or norm stops the run."""
 
-    def __init__(self, run_log, print0, cfg, *, world_size, tokens, flops, peak):
+    def __init__(self, run_log, print0, cfg, *, world_size, tokens, flops, peak, launched, first):
         self.run_log, self.print0 = run_log, print0
+        # perf_counter() at launch, and the first step: the second one's record says how long
+        # start-up took (compiling, autotuning, the first evaluation, recording CUDA graphs)
+        self.launched, self.warm_step = launched, first + 1
         self.max_steps, self.out_dir, self.world_size = cfg.max_steps, cfg.out_dir, world_size
         self.tokens, self.flops, self.peak = tokens, flops, peak  # per step; peak FLOP/s or None
         self.pending = self.prev_end = None  # the last step's StepStats, and the one before's end
@@ -108,6 +111,12 @@ class StepLog:
             "mfu": mfu,
         }
         self.print0(format_step(rec, self.max_steps))
+        if st.step == self.warm_step:
+            rec["startup_s"] = time.perf_counter() - self.launched
+            self.print0(
+                f"start-up: {rec['startup_s']:.1f} s from launch to the end of step {st.step} "
+                "(compiling and CUDA-graph recording included)"
+            )
         self.run_log.write(rec)
         return stop > 0
 

@@ -127,17 +127,13 @@ def _handle(device_index):
     return handle
 
 
-_WORKSPACES = {}  # device index -> the one workspace, as large as the largest limit asked for
-
-
-def _workspace(device_index, nbytes):
-    """A workspace of at least nbytes on the device; one per device, grown when a call needs more
-    (a classifier with a small limit alone does not pay for the MLP's 32 MiB)."""
-    ws = _WORKSPACES.get(device_index)
-    if ws is None or ws.numel() < nbytes:
-        ws = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=f"cuda:{device_index}")
-        _WORKSPACES[device_index] = ws
-    return ws
+def _workspace(device, nbytes):
+    """A workspace of nbytes for one call, from torch's caching allocator (a few microseconds).
+    Not cached across calls: a tensor kept in a global would, if first made while a CUDA graph
+    is being recorded (torch.compile's mode="reduce-overhead"), live in that graph's memory
+    pool untracked, and cudagraph trees refuse such a pool; made per call it is freed like any
+    temporary, and a recorded graph replays it at its recorded address."""
+    return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
 
 
 def _set(desc, attr, value, ctype):
@@ -260,7 +256,7 @@ def matmul(
     if aux is not None:
         _set(desc, DESC_AUX_POINTER, aux.data_ptr(), ctypes.c_void_p)
     dev = out.device.index
-    handle, workspace = _handle(dev), _workspace(dev, max_workspace)
+    handle, workspace = _handle(dev), _workspace(out.device, max_workspace)
     stream = ctypes.c_void_p(torch.cuda.current_stream(out.device).cuda_stream)
 
     c_ptr = out.data_ptr() if c is None else c.data_ptr()
