@@ -40,7 +40,9 @@ from gpt2_fused.core.compile_guard import (
     check_training_step,
     compiled_loss_mismatch,
     compiler_settings,
+    keep_grads,
     pick_mode,
+    uses_cuda_graphs,
 )
 from gpt2_fused.core.config import (
     ConfigError,
@@ -87,6 +89,7 @@ class Run:
     print0: callable
     model: torch.nn.Module = None  # evaluates: compiled, or raw_model once a compiled graph failed
     train_model: torch.nn.Module = None  # model, in DDP under torchrun
+    keep_grads: bool = False  # grads zeroed, not freed, after a step (under CUDA graphs)
 
     @property
     def autocast(self):
@@ -224,7 +227,8 @@ def sample_text(run, step):
     the training RNG (a resumed run would diverge otherwise)."""
     raw_model, device = run.raw_model, run.procs.device
     gen = torch.Generator(device=device).manual_seed(run.cfg.seed + step)
-    idx = torch.full((1, 1), EOT, dtype=torch.long, device=device)
+    prompt = EOT if EOT < run.cfg.model.vocab_size else 0  # a small test vocabulary has no EOT
+    idx = torch.full((1, 1), prompt, dtype=torch.long, device=device)
     raw_model.eval()
     with torch.no_grad(), run.autocast:
         out = raw_model.generate(idx, run.cfg.sample_tokens, top_k=200, generator=gen)
@@ -238,6 +242,9 @@ def compile_and_wrap(run, use_compile):
     both. Under shard="full" raw_model is FSDP2's already (sharding.shard_model): no DDP."""
     cfg, procs, raw_model = run.cfg, run.procs, run.raw_model
     compiled = functools.partial(torch.compile, mode=cfg.compile_mode)
+    run.keep_grads = use_compile and uses_cuda_graphs(cfg.compile_mode)  # no DDP (sharding.check)
+    if run.keep_grads:
+        keep_grads(raw_model)
     # gradients as views into DDP's all-reduce buckets: one copy of them, not two
     wrap = functools.partial(
         DDP,
@@ -310,7 +317,7 @@ def train_step(run, step, grad_accum, stop, check):
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     norm = sharding.step(optimizer, run.raw_model, cfg.shard, max_norm)
     fp8.after_optimizer_step(run.raw_model, cfg.fp8, cfg.shard)
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not run.keep_grads)
     # torch.full, not torch.tensor: a host-to-device copy of a Python number would sync
     stats = torch.stack([loss_sum, torch.full((), float(stop.requested), device=device)])
     if ddp:
@@ -358,6 +365,7 @@ def main(argv=None, train_loader=DataLoader):
     run_log, stop, finished = RunLog(), StopFlag(), False
     compile_settings = contextlib.ExitStack()  # Inductor's global settings, for this run only
     try:
+        cfg.compile_mode = pick_mode(cfg.compile_mode, device, procs.ddp)  # "auto" resolved
         notes = sharding.check(cfg, procs)  # a combination that does not run stops here
         T = cfg.model.block_size
         try:  # the GPU, torch and torchao can run FP8 GEMMs (nothing for fp8="off")
@@ -368,7 +376,6 @@ def main(argv=None, train_loader=DataLoader):
         grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
         dtype = resolve_dtype(cfg.dtype, device)
         use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
-        cfg.compile_mode = pick_mode(cfg.compile_mode, device, world_size)  # "auto" resolved
         torch.manual_seed(cfg.seed + rank)  # per rank, so dropout masks differ across ranks
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

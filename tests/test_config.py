@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train
-from gpt2_fused.core import checkpoint, optim
+from gpt2_fused.core import checkpoint, compile_guard, optim
 from gpt2_fused.core.config import ConfigError, TrainConfig, flat, grad_accum_steps, load_config
 from gpt2_fused.core.device import peak_flops
 from gpt2_fused.core.errors import run_main
@@ -256,3 +256,14 @@ def test_clipped_step_matches_clip_then_adamw(device, fused, grad_size, max_norm
             torch.testing.assert_close(p.data, q.data, rtol=1e-6, atol=1e-7)
     moved = max((p.data - t).abs().max().item() for p, t in zip(ours, start, strict=True))
     assert moved > 1e-3  # the steps did something
+
+
+def test_auto_compile_mode_takes_cuda_graphs_for_one_gpu_process_only():
+    """ "auto": CUDA graphs for a single process on a GPU; under torchrun, and on a CPU, the
+    default mode; a mode the user names is kept."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert compile_guard.pick_mode("auto", cuda, ddp=False) == "reduce-overhead"
+    assert compile_guard.pick_mode("auto", cuda, ddp=True) == "default"
+    assert compile_guard.pick_mode("auto", cpu, ddp=False) == "default"
+    assert compile_guard.pick_mode("max-autotune", cuda, ddp=True) == "max-autotune"
+    assert TrainConfig().compile_mode == "auto"

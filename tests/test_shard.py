@@ -191,6 +191,7 @@ def test_compiled_fsdp2_trains_like_ddp(runs, tiny_data, tmp_path):
         (dict(shard="full"), "cuda", "pass --adamw_impl=torch"),
         (dict(shard="full", adamw_impl="torch", hellaswag=True), "cuda", "eval_hellaswag.py"),
         (dict(shard="full", ddp_compile="ddp"), "cpu", "FSDP2 has no DDP module"),
+        (dict(compile_mode="reduce-overhead"), "cuda", "pass --compile_mode=default"),
     ],
 )
 def test_combinations_that_do_not_run_are_refused_in_one_line(settings, device, says):

@@ -686,6 +686,37 @@ def test_gpu_train_main_compiled_with_checks(tiny_args, tmp_path, capsys, mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_graphs_accumulate_gradients_as_eager_mode_does():
+    """Three micro-batches through the model compiled with CUDA graphs, grads kept as train.py
+    keeps them (compile_guard.keep_grads): their sum is eager mode's, at the warm-up, recording
+    and replaying calls alike. Without kept grads the second micro-batch's replay overwrites the
+    first one's (pytorch/pytorch#169545)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=512, padded_vocab_size=512, n_layer=2, n_head=2, n_embd=64,
+                    block_size=64)  # fmt: skip
+    model = GPT(cfg).cuda()
+    batches = [torch.randint(0, 512, (4, 65), device="cuda") for _ in range(3)]
+
+    def grads(fn, keep):
+        model.zero_grad(set_to_none=True)
+        if keep:
+            compile_guard.keep_grads(model)
+        for b in batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = fn(b[:, :-1], b[:, 1:]) / len(batches)
+            loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ref = grads(model, keep=False)
+    compiled = torch.compile(model, mode="reduce-overhead")
+    for _ in range(3):  # warm-up, recording, replay
+        got = grads(compiled, keep=True)
+        for g, r in zip(got, ref, strict=True):  # bf16 noise: ~1e-2 relative at most
+            assert torch.linalg.vector_norm(g - r) <= 0.03 * torch.linalg.vector_norm(r)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("loss_impl", ["torch", "fast"])
 def test_gpu_compiled_xl_width_step_matches_eager(loss_impl):
     """GPT-2 XL's width (1600, 25 heads), 2 layers, fp32 weights under bf16 autocast, compiled

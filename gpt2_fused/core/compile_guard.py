@@ -27,14 +27,28 @@ INDUCTOR_PERSISTENT_ROWS = 1024
 COMPILE_CHECK_TOL = 2e-3
 
 
-def pick_mode(mode, device, world_size):
+def pick_mode(mode, device, ddp):
     """torch.compile's mode; "auto" is CUDA graphs ("reduce-overhead") for one process on a GPU:
     replaying the step's graph takes the host's launch cost off it, which paces the step below
-    124M's micro-batch 32 (bench/RESULTS.md#cuda-graphs). Under torchrun "default": CUDA graphs
-    with DDP's and FSDP2's collectives are not measured here."""
+    124M's micro-batch 32 (bench/RESULTS.md#cuda-graphs). Under torchrun "default"."""
     if mode != "auto":
         return mode
-    return "reduce-overhead" if device.type == "cuda" and world_size == 1 else "default"
+    return "reduce-overhead" if device.type == "cuda" and not ddp else "default"
+
+
+def uses_cuda_graphs(mode):
+    return mode in ("reduce-overhead", "max-autotune")
+
+
+def keep_grads(model):
+    """Give every trainable parameter a .grad of its own, to be zeroed (not freed) after each
+    step. Under CUDA graphs autograd installs the backward graph's output as a parameter's first
+    .grad, and the next micro-batch's replay writes over that memory: with gradient
+    accumulation the sum is lost (pytorch/pytorch#169545). Into a buffer of its own, every
+    micro-batch's gradient is added in place."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
 
 
 class CompileMismatch(RuntimeError):

@@ -44,6 +44,11 @@ MODES = ("none", "optimizer", "full")
 
 def check(cfg, procs):
     """ConfigError for a combination that does not run; returns notes for the start-up report."""
+    if procs.ddp and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
+        raise ConfigError(
+            f"compile_mode={cfg.compile_mode!r} under torchrun: CUDA graphs with DDP's and "
+            "FSDP2's gradient buckets are not supported here; pass --compile_mode=default"
+        )
     if cfg.shard not in MODES:
         raise ConfigError(f"config key 'shard': one of {MODES}, not {cfg.shard!r}")
     if cfg.shard == "none":
