@@ -365,7 +365,6 @@ def main(argv=None, train_loader=DataLoader):
     run_log, stop, finished = RunLog(), StopFlag(), False
     compile_settings = contextlib.ExitStack()  # Inductor's global settings, for this run only
     try:
-        cfg.compile_mode = pick_mode(cfg.compile_mode, device, procs.ddp)  # "auto" resolved
         notes = sharding.check(cfg, procs)  # a combination that does not run stops here
         T = cfg.model.block_size
         try:  # the GPU, torch and torchao can run FP8 GEMMs (nothing for fp8="off")
@@ -388,6 +387,8 @@ def main(argv=None, train_loader=DataLoader):
         with torch.device(device):  # initialised where it runs: 1558M on a CPU takes seconds
             raw_model = GPT(cfg.model)
         raw_model.z_loss = cfg.z_loss  # in training-mode losses only: val stays plain CE
+        per_layer = raw_model.flops_per_token() * cfg.batch_size * T / cfg.model.n_layer
+        cfg.compile_mode = pick_mode(cfg.compile_mode, device, procs.ddp, per_layer)  # "auto"
         if cfg.fp8 != "off":  # before sharding, compile and DDP wrap the Linears
             n = len(fp8.convert(raw_model, cfg.fp8, cfg.shard))
             notes.append(f"fp8 {cfg.fp8}: {n} block Linears on FP8 GEMMs (torchao), lm_head bf16")

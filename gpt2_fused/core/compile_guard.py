@@ -27,13 +27,23 @@ INDUCTOR_PERSISTENT_ROWS = 1024
 COMPILE_CHECK_TOL = 2e-3
 
 
-def pick_mode(mode, device, ddp):
-    """torch.compile's mode; "auto" is CUDA graphs ("reduce-overhead") for one process on a GPU:
-    replaying the step's graph takes the host's launch cost off it, which paces the step below
-    124M's micro-batch 32 (bench/RESULTS.md#cuda-graphs). Under torchrun "default"."""
+# FLOP per layer of one micro-batch's forward and backward (model.flops_per_token) below which
+# "auto" records CUDA graphs: there the host's launches (~3 ms a layer on the default path)
+# outlast the GPU's work. 124M at micro-batch 8 and 16 (0.43e12 and 0.85e12) ran 2.6x and 1.3x
+# faster with them; at 32 and 64 (1.7e12, 3.4e12) 1.5 % and 0.5 % slower, with 0.4 GiB more
+# memory; 1558M at 16 is 3.5e12 (bench/RESULTS.md#cuda-graphs)
+GRAPHS_BELOW_FLOP_PER_LAYER = 1.5e12
+
+
+def pick_mode(mode, device, ddp, flop_per_layer):
+    """torch.compile's mode; "auto" is "reduce-overhead" (CUDA graphs: the step replayed, not
+    launched op by op) for one process on a GPU whose micro-batch is small enough for the host
+    to pace the step (flop_per_layer: one micro-batch's forward and backward FLOP over n_layer),
+    else "default". Under torchrun "default" (sharding.check)."""
     if mode != "auto":
         return mode
-    return "reduce-overhead" if device.type == "cuda" and not ddp else "default"
+    graphs = device.type == "cuda" and not ddp and flop_per_layer < GRAPHS_BELOW_FLOP_PER_LAYER
+    return "reduce-overhead" if graphs else "default"
 
 
 def uses_cuda_graphs(mode):
