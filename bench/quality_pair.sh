@@ -53,7 +53,7 @@ print(f"\n| step | val loss, default | val loss, {change} | gap |")
 print("|---|---|---|---|")
 for step in sorted(set(bv) & set(cv)):
     print(f"| {step} | {bv[step]:.4f} | {cv[step]:.4f} | {cv[step] - bv[step]:+.4f} |")
-# at B 16 the host's launches pace the 124M default path (RESULTS.md#small-micro-batches)
+# at B 16 the host's launches pace the 124M default path (RESULTS.md#cuda-graphs)
 print(f"median tok/s after 10 %: default {bs:,.0f}, change {cs:,.0f} ({cs / bs:.3f}x; "
       "not a speed comparison: bench/throughput.py is)")
 PY

@@ -29,8 +29,8 @@ COMPILE_CHECK_TOL = 2e-3
 
 # FLOP per layer of one micro-batch's forward and backward (model.flops_per_token) below which
 # "auto" records CUDA graphs: there the host's launches (~3 ms a layer on the default path)
-# outlast the GPU's work. 124M at micro-batch 8 and 16 (0.43e12 and 0.85e12) ran 2.6x and 1.3x
-# faster with them; at 32 and 64 (1.7e12, 3.4e12) 1.5 % and 0.5 % slower, with 0.4 GiB more
+# outlast the GPU's work. 124M at micro-batch 8 and 16 (0.58e12 and 1.17e12) ran 2.6x and 1.3x
+# faster with them; at 32 and 64 (2.3e12, 4.7e12) 1.5 % and 0.5 % slower, with 0.4 GiB more
 # memory; 1558M at 16 is 3.5e12 (bench/RESULTS.md#cuda-graphs)
 GRAPHS_BELOW_FLOP_PER_LAYER = 1.5e12
 
