@@ -8,9 +8,9 @@ for them, so sampling can never emit an id >= vocab_size.
 
 Training calls `GPT.forward(idx, targets)`, which computes the loss from the final hidden
 states with `fused_loss` and never builds the (B, T, V) logits. Generation
-(gpt2_fused/core/generate.py) runs
-the blocks through a KV cache on a separate path (`_decode`), so the training forward is plain
-nanoGPT.
+(gpt2_fused/core/generate.py, which builds on this module; this one imports only the kernels)
+runs the blocks through a KV cache on a separate path, `GPT.decode`, so the training forward is
+plain nanoGPT.
 """
 
 import math
@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
-from gpt2_fused.core import generate
 from gpt2_fused.kernels import attention, cublaslt, gemv
 from gpt2_fused.kernels.mlp import mlp_cublaslt
 
@@ -170,7 +169,7 @@ class MLP(nn.Module):
         """The MLP of x, plus residual when given (added in c_proj's epilogue where it can be)."""
         w = (self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias)
         # mlp_cublaslt: None where it does not apply (CPU, fp32 matmuls); decoding (a prefill,
-        # or a step of several rows: model._decode) keeps torch's calls
+        # or a step of several rows: model.decode) keeps torch's calls
         out = None
         if self.use_cublaslt and not decode:
             # dropout comes between c_proj and the residual add: with it on, the add stays here
@@ -193,7 +192,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cache=None, layer=0):
-        step = isinstance(cache, generate.StaticKVCache)  # a decoding step, not a prefill
+        step = cache is not None and cache.one_token  # a decoding step, not a prefill
         if step and not self.training and gemv.applies(x, self.attn.c_attn.weight):
             return self._decode_row(x, cache, layer)
         x = self.attn(self.ln_1(x), cache, layer, residual=x)
@@ -201,7 +200,7 @@ class Block(nn.Module):
 
     def _decode_row(self, x, cache, layer):
         """forward for a decoding step of one sequence (x (1, 1, C), bf16/fp16 on CUDA, cache a
-        generate.StaticKVCache): four GEMVs (gpt2_fused/kernels/gemv.py), the LayerNorms in the
+        cache.one_token): four GEMVs (gpt2_fused/kernels/gemv.py), the LayerNorms in the
         prologues of c_attn and c_fc, the key and value stores in c_attn's epilogue, the
         residual adds in the projections'. Same math, fewer kernels: at batch 1 the small ones
         cost as much as reading the weights (bench/RESULTS.md#sampling)."""
@@ -271,7 +270,7 @@ class GPT(nn.Module):
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
-    def _check_idx(self, idx, name="idx", check_length=True):
+    def check_idx(self, idx, name="idx", check_length=True):
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
             got = idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__
             raise TypeError(f"{name} must be an int64 (or int32) tensor, got {got}")
@@ -300,7 +299,7 @@ class GPT(nn.Module):
         all_positions=True; padded columns are sliced off. Logits are returned in fp32, capped
         as the loss caps them (config.softcap).
         """
-        self._check_idx(idx)
+        self.check_idx(idx)
         B, T = idx.size()
         if targets is not None and tuple(targets.shape) != (B, T):
             raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {(B, T)}")
@@ -344,10 +343,12 @@ class GPT(nn.Module):
             return x.to(torch.get_autocast_dtype(x.device.type))
         return x
 
-    def _decode(self, idx, pos, cache):
+    def decode(self, idx, pos, cache):
         """Run idx (B, T) at positions pos (a slice, or a (T,) int64 tensor) through the blocks,
-        whose attention stores and reads keys/values through cache.update
-        (gpt2_fused/core/generate.py); return the fp32 logits (B, vocab_size) of the last
+        whose attention stores and reads keys and values through cache: cache.update(layer, k, v)
+        and cache.read(layer) return (keys, values, additive mask or None), and cache.one_token
+        says whether this is a decoding step of one token over a static cache
+        (gpt2_fused/core/generate.py). Returns the fp32 logits (B, vocab_size) of the last
         position."""
         wpe = self.transformer.wpe.weight[pos]  # a slice is a view: no arange, no gather
         x = self._residual(self.transformer.drop(self.transformer.wte(idx) + wpe))
@@ -357,15 +358,6 @@ class GPT(nn.Module):
         # the classifier stays with cuBLAS: faster than a GEMV at 50304 rows
         # (bench/RESULTS.md#classifier-on-cublas)
         return self._logits(x)
-
-    def generate(
-        self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None, **kw
-    ):
-        """Extend idx (B, T) by max_new_tokens sampled ids: generate.generate (a static KV cache,
-        CUDA graphs, the context cropped to block_size as nanoGPT). Call model.eval() first."""
-        return generate.generate(
-            self, idx, max_new_tokens, temperature, top_k, top_p, generator, **kw
-        )
 
     @classmethod
     def from_state_dict(cls, config, state_dict, map_location="cpu"):

@@ -112,7 +112,8 @@ def main(argv=None):
             times.append(time.perf_counter())
 
     t0 = time.perf_counter()
-    out = model.generate(
+    out = generate.generate(
+        model,
         idx,
         args.max_new_tokens,
         temperature=args.temperature,

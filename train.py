@@ -54,6 +54,7 @@ from gpt2_fused.core.config import (
 )
 from gpt2_fused.core.device import peak_flops, resolve_dtype
 from gpt2_fused.core.errors import run_main
+from gpt2_fused.core.generate import generate
 from gpt2_fused.core.model_io import checkpoint_settings
 from gpt2_fused.core.optim import get_lr
 from gpt2_fused.core.runlog import LogError, RunLog, StepLog, StepStats, git_sha, triton_version
@@ -231,7 +232,7 @@ def sample_text(run, step):
     idx = torch.full((1, 1), prompt, dtype=torch.long, device=device)
     raw_model.eval()
     with torch.no_grad(), run.autocast:
-        out = raw_model.generate(idx, run.cfg.sample_tokens, top_k=200, generator=gen)
+        out = generate(raw_model, idx, run.cfg.sample_tokens, top_k=200, generator=gen)
     raw_model.train()
     return get_tokenizer().decode(out[0, 1:].tolist())
 

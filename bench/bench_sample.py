@@ -62,7 +62,7 @@ class DynamicKVCache:
 
 @torch.no_grad()
 def old_generate(model, idx, new_tokens, generator, on_token):
-    """GPT.generate(use_cache=True) before the static cache, as it was."""
+    """nanoGPT-style generate(use_cache=True) before the static cache, as it was."""
     B, T0 = idx.shape
     bs = model.config.block_size
     out = idx.new_empty(B, T0 + new_tokens)
@@ -75,7 +75,7 @@ def old_generate(model, idx, new_tokens, generator, on_token):
             else:  # first step, or the window slid: (re)fill the cache from the window
                 cache.pos = 0
                 window = out[:, max(0, t - bs) : t]
-            logits = model._decode(window, slice(cache.pos, cache.pos + window.size(1)), cache)
+            logits = model.decode(window, slice(cache.pos, cache.pos + window.size(1)), cache)
             cache.pos += window.size(1)
             noise = torch.empty_like(logits).exponential_(1.0, generator=generator)
             out[:, t] = generate.sample(logits, TEMPERATURE, TOP_K, None, noise)[:, 0]

@@ -155,11 +155,11 @@ def test_gpu_decoding_at_batch_1_runs_the_gemv(monkeypatch):
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)
     model = GPT(cfg).cuda().to(torch.bfloat16).eval()
     idx = torch.randint(0, cfg.vocab_size, (1, 5), device="cuda")
-    model.generate(idx, 3, temperature=0, decode="eager")
+    generate.generate(model, idx, 3, temperature=0, decode="eager")
     assert len(calls) == 2 * 4 * 2, calls  # two steps after the prefill (which has 5 rows)
     calls.clear()
-    model.generate(idx.repeat(2, 1), 3, temperature=0, decode="eager")
-    model.float().generate(idx, 3, temperature=0, decode="eager")
+    generate.generate(model, idx.repeat(2, 1), 3, temperature=0, decode="eager")
+    generate.generate(model.float(), idx, 3, temperature=0, decode="eager")
     assert calls == []
 
 

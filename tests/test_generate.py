@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from gpt2_fused.core import generate
+from gpt2_fused.core.generate import generate as gen
 from gpt2_fused.core.generate import sample
 from model import GPT, GPTConfig
 
@@ -28,8 +29,8 @@ CASES = [(1, 20), (7, 80), (64, 3), (70, 10)]
 def test_static_cache_greedy_equals_recompute(prompt_len, new, batch):
     model = tiny(seed=3)
     idx = torch.randint(0, V, (batch, prompt_len))
-    cached = model.generate(idx, new, temperature=0, decode="eager")
-    full = model.generate(idx, new, temperature=0, decode="recompute")
+    cached = gen(model, idx, new, temperature=0, decode="eager")
+    full = gen(model, idx, new, temperature=0, decode="recompute")
     assert cached.shape == (batch, prompt_len + new)
     assert torch.equal(cached[:, :prompt_len], idx)
     assert torch.equal(cached, full)
@@ -40,16 +41,16 @@ def test_cache_shorter_than_block_size_and_kept_between_calls():
     call of the same shape reuses it (the prefill resets it), another shape replaces it."""
     model = tiny(seed=2, block_size=512)
     idx = torch.randint(0, V, (2, 5))
-    a = model.generate(idx, 40, temperature=0, decode="eager")
+    a = gen(model, idx, 40, temperature=0, decode="eager")
     dec = generate._DECODERS[model]
     assert dec.max_len == generate.LEN_MULTIPLE == 128
     assert dec.cache.k[0].shape == (2, 2, 128, 16)
     idx2 = torch.randint(0, V, (2, 9))
-    b = model.generate(idx2, 40, temperature=0, decode="eager")
+    b = gen(model, idx2, 40, temperature=0, decode="eager")
     assert generate._DECODERS[model] is dec
-    assert torch.equal(a, model.generate(idx, 40, temperature=0, decode="recompute"))
-    assert torch.equal(b, model.generate(idx2, 40, temperature=0, decode="recompute"))
-    model.generate(idx[:1], 40, temperature=0, decode="eager")
+    assert torch.equal(a, gen(model, idx, 40, temperature=0, decode="recompute"))
+    assert torch.equal(b, gen(model, idx2, 40, temperature=0, decode="recompute"))
+    gen(model, idx[:1], 40, temperature=0, decode="eager")
     assert generate._DECODERS[model] is not dec
 
 
@@ -60,7 +61,7 @@ def test_sampling_equals_nanogpt_loop(decode):
     model = tiny(seed=4)
     idx = torch.randint(0, V, (2, 5))
     g = torch.Generator().manual_seed(7)
-    out = model.generate(idx, 70, temperature=0.9, top_k=50, generator=g, decode=decode)
+    out = gen(model, idx, 70, temperature=0.9, top_k=50, generator=g, decode=decode)
     g.manual_seed(7)
     ref = idx
     with torch.no_grad():
@@ -77,7 +78,7 @@ def test_top_p_sampling_is_the_same_in_both_modes():
     model = tiny(seed=5)
     idx = torch.randint(0, V, (3, 4))
     a, b = (
-        model.generate(idx, 30, 1.3, 300, 0.8, torch.Generator().manual_seed(1), decode=decode)
+        gen(model, idx, 30, 1.3, 300, 0.8, torch.Generator().manual_seed(1), decode=decode)
         for decode in ("eager", "recompute")
     )
     assert torch.equal(a, b)
@@ -88,7 +89,7 @@ def test_generation_never_emits_padded_ids(decode):
     model = tiny()
     with torch.no_grad():  # tied: the padded classifier rows would win every softmax
         model.transformer.wte.weight[V:] = 1e4
-    out = model.generate(torch.zeros(8, 1, dtype=torch.long), 30, temperature=1.0, decode=decode)
+    out = gen(model, torch.zeros(8, 1, dtype=torch.long), 30, temperature=1.0, decode=decode)
     assert int(out.max()) < V
     assert model(out[:, -64:]).shape[-1] == V
 
@@ -96,9 +97,9 @@ def test_generation_never_emits_padded_ids(decode):
 def test_generation_is_deterministic_by_generator():
     model = tiny()
     idx = torch.zeros(4, 3, dtype=torch.long)
-    a = model.generate(idx, 12, top_p=0.9, generator=torch.Generator().manual_seed(5))
-    b = model.generate(idx, 12, top_p=0.9, generator=torch.Generator().manual_seed(5))
-    c = model.generate(idx, 12, top_p=0.9, generator=torch.Generator().manual_seed(6))
+    a = gen(model, idx, 12, top_p=0.9, generator=torch.Generator().manual_seed(5))
+    b = gen(model, idx, 12, top_p=0.9, generator=torch.Generator().manual_seed(5))
+    c = gen(model, idx, 12, top_p=0.9, generator=torch.Generator().manual_seed(6))
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
@@ -107,9 +108,9 @@ def test_on_token_sees_each_new_column_in_order(decode):
     model = tiny()
     idx = torch.randint(0, V, (2, 3))
     seen = []
-    out = model.generate(idx, 7, temperature=0, decode=decode, on_token=lambda t: seen.append(t))
+    out = gen(model, idx, 7, temperature=0, decode=decode, on_token=lambda t: seen.append(t))
     assert torch.equal(torch.stack(seen, dim=1), out[:, 3:])
-    assert model.generate(idx, 0, on_token=seen.append).shape == (2, 3)
+    assert gen(model, idx, 0, on_token=seen.append).shape == (2, 3)
 
 
 def test_sampling_filters():
@@ -157,7 +158,7 @@ def test_sampling_zero_noise_never_picks_a_removed_id():
 def test_bad_arguments(kw, match):
     args = {"max_new_tokens": 2, **kw}
     with pytest.raises(ValueError, match=match):
-        tiny().generate(torch.zeros(1, 1, dtype=torch.long), **args)
+        gen(tiny(), torch.zeros(1, 1, dtype=torch.long), **args)
 
 
 @pytest.mark.slow
@@ -166,10 +167,10 @@ def test_compiled_step_on_cpu_equals_recompute():
     cache in place and gives the recompute path's tokens: greedy across block_size, and sampled."""
     model = tiny(seed=3)
     idx = torch.randint(0, V, (2, 7))
-    out = model.generate(idx, 80, temperature=0, decode="compile")
-    assert torch.equal(out, model.generate(idx, 80, temperature=0, decode="recompute"))
+    out = gen(model, idx, 80, temperature=0, decode="compile")
+    assert torch.equal(out, gen(model, idx, 80, temperature=0, decode="recompute"))
     a, b = (
-        model.generate(idx, 20, 0.9, 50, None, torch.Generator().manual_seed(3), decode=decode)
+        gen(model, idx, 20, 0.9, 50, None, torch.Generator().manual_seed(3), decode=decode)
         for decode in ("compile", "recompute")
     )
     assert torch.equal(a, b)
@@ -199,9 +200,9 @@ def test_gpu_fp32_greedy_equals_recompute(decode, prompt_len, new, batch):
     (5 + 70 crosses block_size 64; 70 is a cropped prompt)."""
     model = tiny(seed=6).cuda()
     idx = torch.randint(0, V, (batch, prompt_len), device="cuda")
-    ref = model.generate(idx, new, temperature=0, decode="recompute")
+    ref = gen(model, idx, new, temperature=0, decode="recompute")
     for _ in range(2):  # the second call replays the kept graphs
-        assert torch.equal(model.generate(idx, new, temperature=0, decode=decode), ref)
+        assert torch.equal(gen(model, idx, new, temperature=0, decode=decode), ref)
 
 
 @pytest.mark.gpu
@@ -221,7 +222,7 @@ def test_gpu_bf16_greedy_picks_the_fp32_argmax_within_bf16_error(decode, batch):
     model.load_state_dict(model32.state_dict())
     model = model.to(torch.bfloat16)
     idx = torch.randint(0, V, (batch, 9), device="cuda")
-    out = model.generate(idx, 60, temperature=0, decode=decode)
+    out = gen(model, idx, 60, temperature=0, decode=decode)
     with torch.no_grad():
         ref = model32(out[:, :-1], all_positions=True)[:, 8:]  # (4, 60, V): predicts out[:, 9:]
         err = (model(out[:, :-1], all_positions=True)[:, 8:] - ref).abs().max()
@@ -246,10 +247,10 @@ def test_gpu_no_host_sync_per_token_and_seeded_sampling(decode, batch):
     top_p = None if decode == "compile" else 0.95  # compile + top_p decodes as graph (_mode)
     kw = dict(temperature=0.8, top_k=200, top_p=top_p, decode=decode)
     g = torch.Generator("cuda")
-    a = model.generate(idx, 40, generator=g.manual_seed(1), **kw)
+    a = gen(model, idx, 40, generator=g.manual_seed(1), **kw)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        b = model.generate(idx, 40, generator=g.manual_seed(1), **kw)
+        b = gen(model, idx, 40, generator=g.manual_seed(1), **kw)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(a, b)

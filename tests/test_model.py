@@ -199,7 +199,7 @@ def softcap_twins(cap, **kw):
 
 
 def test_softcap_caps_the_returned_logits():
-    """forward's and _decode's logits (the ones sampled from) are softcap * tanh(z / softcap) of
+    """forward's and decode's logits (the ones sampled from) are softcap * tanh(z / softcap) of
     the uncapped twin's z, so within (-softcap, softcap)."""
     plain, capped = softcap_twins(2.0)
     idx = torch.randint(0, V, (2, 9))
@@ -212,10 +212,10 @@ def test_softcap_caps_the_returned_logits():
         torch.testing.assert_close(capped(idx), logits[:, -1:])
         # the KV-cache path: a prefill of 8 positions, then one decoding step
         cache = generate.StaticKVCache(2, 2, 2, 16, 16, torch.float32, "cpu")
-        prefill = capped._decode(idx[:, :8], slice(0, 8), generate._Prefill(cache))
+        prefill = capped.decode(idx[:, :8], slice(0, 8), generate.Prefill(cache))
         cache.pos.fill_(8)
         cache.mask[..., :9] = 0.0
-        step = capped._decode(idx[:, 8:], cache.pos, cache)
+        step = capped.decode(idx[:, 8:], cache.pos, cache)
     torch.testing.assert_close(prefill, logits[:, 7])
     torch.testing.assert_close(step, logits[:, 8])
 

@@ -8,6 +8,7 @@ import torch
 import sample
 from data.tokenizer import EOT, get_tokenizer
 from gpt2_fused.core import model_io
+from gpt2_fused.core.generate import generate
 from model import GPT, GPTConfig
 
 V, VP = 50257, 50304
@@ -71,7 +72,7 @@ def test_prompt_file_and_hf_dir_agree_with_ckpt(capsys, ckpt_dir, tmp_path):
 def test_greedy_equals_model_generate_and_default_prompt_is_eot(capsys, ckpt_dir):
     ids, text = run(capsys, "--ckpt", str(ckpt_dir), "--temperature", "0")
     model, _ = model_io.from_checkpoint(ckpt_dir)
-    expected = model.eval().generate(torch.full((3, 1), EOT), 40, temperature=0)
+    expected = generate(model.eval(), torch.full((3, 1), EOT), 40, temperature=0)
     assert torch.equal(ids, expected)
     assert not text.startswith("<|endoftext|>")  # our own start token is not printed
 

@@ -76,7 +76,7 @@ def generate(
     is called with each new (B,) column as soon as it is queued (still on the device).
     Call model.eval() first to turn dropout off.
     """
-    model._check_idx(idx, check_length=False)
+    model.check_idx(idx, check_length=False)
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     mode = _mode(decode, idx.device, top_p)
     B, T0 = idx.shape
@@ -183,8 +183,10 @@ class StaticKVCache:
     splits the keys never meets a block of -inf alone; the step opens pos before attending).
 
     The attention layers call update(layer, k, v), or read(layer) once their GEMV has stored
-    them (model.py); a prefill goes through _Prefill.
+    them (model.py); a prefill goes through Prefill.
     """
+
+    one_token = True  # model.decode: a decoding step (one token a sequence), not a prefill
 
     def __init__(self, n_layer, batch_size, n_head, head_size, max_len, dtype, device):
         shape = (batch_size, n_head, max_len, head_size)
@@ -211,9 +213,11 @@ class StaticKVCache:
         return self.k[layer], self.v[layer], self.mask
 
 
-class _Prefill:
+class Prefill:
     """The cache as a prefill of positions [0, T) sees it: store the keys and values, and attend
     causally among the T new ones (the same attention as without a cache)."""
+
+    one_token = False
 
     def __init__(self, cache):
         self.cache = cache
@@ -229,7 +233,7 @@ def _step(model, cache, tok, noise, temperature, top_k, top_p):
     Reads and writes only these buffers (and the weights): the unit that is graphed."""
     cache.mask.index_fill_(-1, cache.pos, 0.0)  # the new token's key becomes visible
     with sdpa_kernel(_STEP_BACKENDS, set_priority=True):
-        logits = model._decode(tok, cache.pos, cache)
+        logits = model.decode(tok, cache.pos, cache)
     cache.pos.add_(1)
     tok.copy_(sample(logits, temperature, top_k, top_p, noise))
 
@@ -278,7 +282,7 @@ class Decoder:
         """Fill positions [0, T) of the cache from idx (B, T <= max_len) in one eager forward;
         tok becomes the next token."""
         T = idx.size(1)
-        logits = model._decode(idx, slice(0, T), _Prefill(self.cache))
+        logits = model.decode(idx, slice(0, T), Prefill(self.cache))
         self.cache.pos.fill_(T)
         self.cache.mask.fill_(self.cache.closed)
         self.cache.mask[..., :T] = 0.0
