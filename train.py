@@ -88,6 +88,7 @@ class Run:
     val_glob: str
     dtype: torch.dtype  # of the matmuls: bf16 under autocast, else fp32
     print0: callable
+    shard: sharding.DataParallel  # the sharding mode's object: DDP, ZeRO-1 or FSDP2
     model: torch.nn.Module = None  # evaluates: compiled, or raw_model once a compiled graph failed
     train_model: torch.nn.Module = None  # model, in DDP under torchrun
     keep_grads: bool = False  # grads zeroed, not freed, after a step (under CUDA graphs)
@@ -144,7 +145,7 @@ def resume(run, path, ckpt, notes):
             f"model config differs from {path}'s in {differ}"
             + (f"; to resume it, pass {fix}" if fix else "")
         )
-    sharding.load_state(run.raw_model, run.optimizer, ckpt, cfg.shard)  # each rank keeps its part
+    run.shard.load_state(run.raw_model, run.optimizer, ckpt)  # each rank keeps its part
     note = run.loader.load_state_dict(ckpt["loader"])  # one position for all ranks, any W
     step = ckpt["step"]
     notes.append(f"resumed from {path} at step {step}")
@@ -202,7 +203,7 @@ def save(run, step, val_loss):
     if procs.ddp:
         rngs = [None] * procs.world_size
         dist.all_gather_object(rngs, rng_state(procs.device))
-    model, state = sharding.full_state(run.raw_model, run.optimizer, cfg.shard, procs.master)
+    model, state = run.shard.full_state(run.raw_model, run.optimizer, procs.master)
     if not procs.master:
         return
     if cfg.fp8 != "off":  # a checkpoint holds plain tensors, whatever torchao wrapped
@@ -240,10 +241,10 @@ def sample_text(run, step):
 def compile_and_wrap(run, use_compile):
     """Set run.model, the (compiled) model that evaluates, and run.train_model, the one that
     trains (in DDP under torchrun). ddp_compile="ddp" compiles the DDP module: one module for
-    both. Under shard="full" raw_model is FSDP2's already (sharding.shard_model): no DDP."""
+    both. Under FSDP2 raw_model is sharded already (run.shard.shard_model): no DDP."""
     cfg, procs, raw_model = run.cfg, run.procs, run.raw_model
     compiled = functools.partial(torch.compile, mode=cfg.compile_mode)
-    run.keep_grads = use_compile and uses_cuda_graphs(cfg.compile_mode)  # no DDP (sharding.check)
+    run.keep_grads = use_compile and uses_cuda_graphs(cfg.compile_mode)  # no DDP (sharding.mode)
     if run.keep_grads:
         keep_grads(raw_model)
     # gradients as views into DDP's all-reduce buckets: one copy of them, not two
@@ -252,11 +253,12 @@ def compile_and_wrap(run, use_compile):
         device_ids=[procs.device.index] if procs.device.type == "cuda" else None,
         gradient_as_bucket_view=True,
     )
-    if procs.ddp and use_compile and cfg.ddp_compile == "ddp" and cfg.shard != "full":
+    ddp = procs.ddp and run.shard.wraps_in_ddp
+    if ddp and use_compile and cfg.ddp_compile == "ddp":
         run.model = run.train_model = compiled(wrap(raw_model))
         return
     run.model = compiled(raw_model) if use_compile else raw_model
-    run.train_model = wrap(run.model) if procs.ddp and cfg.shard != "full" else run.model
+    run.train_model = wrap(run.model) if ddp else run.model
 
 
 def device_name(device):
@@ -307,7 +309,7 @@ def train_step(run, step, grad_accum, stop, check):
         if checking:  # eager first: no activations held yet
             with torch.no_grad(), run.autocast:
                 eager_loss = run.raw_model(x, y)
-        with sharding.micro_step(run.train_model, run.raw_model, cfg.shard, sync), run.autocast:
+        with run.shard.micro_step(run.train_model, run.raw_model, sync), run.autocast:
             loss = run.train_model(x, y) / grad_accum
         if checking:
             first_loss = loss.detach() * grad_accum
@@ -316,8 +318,8 @@ def train_step(run, step, grad_accum, stop, check):
     if check:  # before the update: a wrong graph must not touch the weights
         check_training_step(first_loss, eager_loss, ddp, step)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    norm = sharding.step(optimizer, run.raw_model, cfg.shard, max_norm)
-    fp8.after_optimizer_step(run.raw_model, cfg.fp8, cfg.shard)
+    norm = run.shard.step(optimizer, run.raw_model, max_norm)
+    fp8.after_optimizer_step(run.raw_model, cfg.fp8, run.shard.fully_sharded)
     optimizer.zero_grad(set_to_none=not run.keep_grads)
     # torch.full, not torch.tensor: a host-to-device copy of a Python number would sync
     stats = torch.stack([loss_sum, torch.full((), float(stop.requested), device=device)])
@@ -366,10 +368,11 @@ def main(argv=None, train_loader=DataLoader):
     run_log, stop, finished = RunLog(), StopFlag(), False
     compile_settings = contextlib.ExitStack()  # Inductor's global settings, for this run only
     try:
-        notes = sharding.check(cfg, procs)  # a combination that does not run stops here
+        shard = sharding.mode(cfg, procs)  # a combination that does not run stops here
+        notes = list(shard.notes)
         T = cfg.model.block_size
         try:  # the GPU, torch and torchao can run FP8 GEMMs (nothing for fp8="off")
-            fp8.check(cfg.fp8, device, cfg.shard)
+            fp8.check(cfg.fp8, device)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         # --- set-up: data, model, optimizer, the newest checkpoint when resuming
@@ -391,11 +394,11 @@ def main(argv=None, train_loader=DataLoader):
         per_layer = raw_model.flops_per_token() * cfg.batch_size * T / cfg.model.n_layer
         cfg.compile_mode = pick_mode(cfg.compile_mode, device, procs.ddp, per_layer)  # "auto"
         if cfg.fp8 != "off":  # before sharding, compile and DDP wrap the Linears
-            n = len(fp8.convert(raw_model, cfg.fp8, cfg.shard))
+            n = len(fp8.convert(raw_model, cfg.fp8, shard.fully_sharded))
             notes.append(f"fp8 {cfg.fp8}: {n} block Linears on FP8 GEMMs (torchao), lm_head bf16")
-        sharding.shard_model(raw_model, cfg.shard)  # FSDP2 under shard="full", in place
-        optimizer = sharding.make_optimizer(raw_model, cfg, device)
-        run = Run(cfg, procs, raw_model, optimizer, loader, val_glob, dtype, print0)
+        shard.shard_model(raw_model)  # FSDP2 under shard="full", in place
+        optimizer = shard.make_optimizer(raw_model, cfg, device)
+        run = Run(cfg, procs, raw_model, optimizer, loader, val_glob, dtype, print0, shard)
         start_step, ckpts = 0, list_checkpoints(cfg.out_dir)
         if train_loader is not DataLoader:
             notes.append(f"train batches from {train_loader.__name__}, not data.loader.DataLoader")
@@ -476,7 +479,7 @@ def loop(run, start_step, grad_accum, stop, steps, run_log, check_training):
         if fresh and (last_step or every(step, cfg.eval_interval)):
             val_loss = evaluate_and_log(run, step, run_log)
             check_now = check_training
-        sample = every(step, cfg.sample_interval) and cfg.shard != "full"
+        sample = every(step, cfg.sample_interval) and run.shard.samples
         if procs.master and fresh and step > 0 and sample:
             run.print0(f"sample at step {step}: {sample_text(run, step)!r}")
         if fresh and step > 0 and (last_step or stop_all or every(step, cfg.ckpt_interval)):

@@ -20,6 +20,8 @@ from torchao.float8.float8_linear import Float8Linear  # noqa: E402  (not public
 import train  # noqa: E402
 from conftest import read_log  # noqa: E402
 from gpt2_fused.core import fp8, model_io, sharding  # noqa: E402
+from gpt2_fused.core.config import TrainConfig  # noqa: E402
+from gpt2_fused.core.distributed import Processes  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +51,7 @@ def test_convert_swaps_exactly_the_blocks_linears(recipe):
     before = {name: type(m) for name, m in model.named_modules()}
     params = dict(model.named_parameters())
     keys = list(model.state_dict())
-    names = fp8.convert(model, recipe, "none")
+    names = fp8.convert(model, recipe, False)
     assert sorted(names) == sorted(BLOCK_LINEARS) and len(names) == 4 * 2
     for name, m in model.named_modules():
         if name in BLOCK_LINEARS:
@@ -66,7 +68,7 @@ def test_convert_swaps_exactly_the_blocks_linears(recipe):
 
 def test_convert_off_changes_nothing():
     model = tiny_model()
-    assert fp8.convert(model, "off", "full") == []
+    assert fp8.convert(model, "off", True) == []
     assert not any(isinstance(m, Float8Linear) for m in model.modules())
 
 
@@ -75,7 +77,7 @@ def test_float8_all_gather_only_for_tensorwise_under_fsdp2(recipe):
     """shard="full": tensorwise's weights become torchao's float8 all-gather wrappers; rowwise has
     none (torchao's is tensorwise only) and keeps plain weights."""
     model = tiny_model()
-    fp8.convert(model, recipe, "full")
+    fp8.convert(model, recipe, True)
     gather = recipe == "tensorwise"
     for name in BLOCK_LINEARS:
         m = model.get_submodule(name)
@@ -90,7 +92,7 @@ def test_convert_turns_the_fast_paths_off_and_the_forward_runs_the_float8_linear
     model = tiny_model()
     for block in model.transformer.h:
         block.mlp.use_cublaslt = block.attn.use_fast = True
-    fp8.convert(model, "tensorwise", "none")
+    fp8.convert(model, "tensorwise", False)
     for block in model.transformer.h:
         assert block.mlp.use_cublaslt is False and block.attn.use_fast is False
     calls = []
@@ -104,7 +106,7 @@ def test_convert_turns_the_fast_paths_off_and_the_forward_runs_the_float8_linear
 def test_convert_refuses_a_width_the_fp8_gemms_cannot_take():
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=72, block_size=32))
     with pytest.raises(ValueError, match="n_embd divisible by 16, got 72"):
-        fp8.convert(model, "tensorwise", "none")
+        fp8.convert(model, "tensorwise", False)
 
 
 def _cuda_gpu(monkeypatch, name, cc):
@@ -146,7 +148,7 @@ def test_check_refuses_in_one_line(monkeypatch, recipe, device, setup, says):
 
         monkeypatch.setattr(fp8, "_tiny_step", fails)
     with pytest.raises(ValueError) as e:
-        fp8.check(recipe, device, "none")
+        fp8.check(recipe, device)
     assert says in str(e.value) and "\n" not in str(e.value)
     if setup == "no kernel":
         assert "(rowwise scaling is not supported here)" in str(e.value)
@@ -154,17 +156,17 @@ def test_check_refuses_in_one_line(monkeypatch, recipe, device, setup, says):
 
 def test_check_passes_off_without_torchao(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)
-    fp8.check("off", "cpu", "full")
+    fp8.check("off", "cpu")
 
 
 def test_check_passes_on_an_fp8_gpu_whatever_the_sharding(monkeypatch):
-    """A Hopper GPU whose tiny FP8 step runs: every shard mode (rowwise + FSDP2 gathers the fp32
-    weights); check() never asks torch for the GPU beyond what _cuda_gpu fakes."""
+    """A Hopper GPU whose tiny FP8 step runs: every recipe passes, under any sharding mode (the
+    check does not depend on it: rowwise + FSDP2 gathers the fp32 weights); check() never asks
+    torch for the GPU beyond what _cuda_gpu fakes."""
     _cuda_gpu(monkeypatch, "NVIDIA H200", (9, 0))
     monkeypatch.setattr(fp8, "_tiny_step", lambda recipe, device: None)
     for recipe in RECIPES:
-        for shard in sharding.MODES:
-            fp8.check(recipe, torch.device("cuda"), shard)
+        fp8.check(recipe, torch.device("cuda"))
 
 
 def _saved_and_loaded(state, tmp_path):
@@ -187,7 +189,7 @@ def test_checkpoints_load_across_fp8_and_plain_models(recipe, tmp_path):
     (strict) into a plain model, GPT.from_state_dict (sample.py, eval) and an FP8 model (resume);
     a plain model's loads into an FP8 model. The values arrive unchanged each way."""
     model = tiny_model(seed=0)
-    fp8.convert(model, recipe, "none")
+    fp8.convert(model, recipe, False)
     state = _saved_and_loaded(fp8.plain_state_dict(model.state_dict()), tmp_path)
     assert all(type(t) is torch.Tensor for t in state.values())
     plain = tiny_model(seed=1)
@@ -195,7 +197,7 @@ def test_checkpoints_load_across_fp8_and_plain_models(recipe, tmp_path):
     _assert_same_weights(plain, model)
     _assert_same_weights(GPT.from_state_dict(model.config, state), model)
     resumed = tiny_model(seed=2)
-    fp8.convert(resumed, recipe, "none")
+    fp8.convert(resumed, recipe, False)
     resumed.load_state_dict(state)
     _assert_same_weights(resumed, model)
     other = tiny_model(seed=3)
@@ -214,32 +216,35 @@ def test_fsdp2_float8_all_gather_trains_like_fp8_alone_and_saves_plain_tensors(t
     checkpoint that loads into a plain model and back into the sharded FP8 one."""
     import torch.distributed as dist
 
+    procs = Processes(ddp=True, rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
     def run(shard):
+        mode = sharding.mode(TrainConfig(shard=shard, adamw_impl="torch"), procs)
         model = tiny_model(vocab_size=512, padded_vocab_size=512)
-        fp8.convert(model, "tensorwise", shard)
-        sharding.shard_model(model, shard)
+        fp8.convert(model, "tensorwise", mode.fully_sharded)
+        mode.shard_model(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for step in range(3):
             loss = model(*batch(step, vocab=512))
             loss.backward()
-            sharding.step(optimizer, model, shard, 1.0)
+            mode.step(optimizer, model, 1.0)
             optimizer.zero_grad(set_to_none=True)
-            fp8.after_optimizer_step(model, "tensorwise", shard)
+            fp8.after_optimizer_step(model, "tensorwise", mode.fully_sharded)
             losses.append(loss.item())
-        return model, optimizer, losses
+        return model, optimizer, losses, mode
 
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        _, _, want = run("none")
-        model, optimizer, got = run("full")
+        _, _, want, _ = run("none")
+        model, optimizer, got, full = run("full")
         assert got == pytest.approx(want, rel=1e-3, abs=0)
         fp8_max = torch.finfo(torch.float8_e4m3fn).max
         for name in BLOCK_LINEARS:  # the next forward's scale, of the updated weight
             w = model.get_submodule(name).weight._local_tensor
             want_scale = (fp8_max / w._tensor.abs().max().double()).float()
             assert w._precomputed_scale == want_scale, name
-        state, opt_state = sharding.full_state(model, optimizer, "full", True)
+        state, opt_state = full.full_state(model, optimizer, True)
         assert any(type(t) is not torch.Tensor for t in state.values())  # why plain_state_dict
         ckpt = {"model": fp8.plain_state_dict(state), "optimizer": opt_state}
         torch.save(ckpt, tmp_path / "ckpt.pt")
@@ -249,7 +254,7 @@ def test_fsdp2_float8_all_gather_trains_like_fp8_alone_and_saves_plain_tensors(t
         plain.load_state_dict(ckpt["model"])
         for name, t in state.items():
             torch.testing.assert_close(plain.state_dict()[name], fp8._plain(t), rtol=0, atol=0)
-        sharding.load_state(model, optimizer, ckpt, "full")
+        full.load_state(model, optimizer, ckpt)
         assert model(*batch(5, vocab=512)).isfinite()
     finally:
         dist.destroy_process_group()
@@ -311,13 +316,13 @@ def test_gpu_fp8_training_follows_bf16_over_20_steps(recipe, tmp_path, capsys):
 def test_gpu_check_passes_and_a_converted_block_matches_bf16(recipe):
     """check() passes on this GPU; a converted 768-wide model's loss is bf16's within FP8's
     rounding, and its fp32 master weights get gradients."""
-    fp8.check(recipe, "cuda", "none")
+    fp8.check(recipe, "cuda")
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=2, n_head=12, n_embd=768, block_size=256)
     ref = GPT(cfg).cuda()
     model = GPT(cfg).cuda()
     model.load_state_dict(ref.state_dict())
-    fp8.convert(model, recipe, "none")
+    fp8.convert(model, recipe, False)
     x = torch.randint(0, cfg.vocab_size, (8, 257), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         want, loss = ref(x[:, :-1], x[:, 1:]), model(x[:, :-1], x[:, 1:])

@@ -197,7 +197,7 @@ def test_compiled_fsdp2_trains_like_ddp(runs, tiny_data, tmp_path):
 def test_combinations_that_do_not_run_are_refused_in_one_line(settings, device, says):
     procs = Processes(ddp=True, rank=0, local_rank=0, world_size=2, device=torch.device(device))
     with pytest.raises(ConfigError, match=re.escape(says)) as e:
-        sharding.check(TrainConfig(**settings), procs)
+        sharding.mode(TrainConfig(**settings), procs)
     assert "\n" not in str(e.value)
 
 
@@ -206,11 +206,10 @@ def test_what_runs_with_sharding():
     (on a CPU adamw_impl="fast" is torch's anyway) and trains without printed samples."""
     cuda = Processes(ddp=True, rank=0, local_rank=0, world_size=2, device=torch.device("cuda"))
     cpu = Processes(ddp=True, rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))
-    assert sharding.check(TrainConfig(shard="optimizer", hellaswag=True), cuda) == []
-    assert (
-        sharding.check(TrainConfig(shard="full", adamw_impl="torch", sample_interval=0), cuda) == []
-    )
-    assert "no samples" in sharding.check(TrainConfig(shard="full"), cpu)[0]
+    assert sharding.mode(TrainConfig(shard="optimizer", hellaswag=True), cuda).notes == []
+    full = sharding.mode(TrainConfig(shard="full", adamw_impl="torch", sample_interval=0), cuda)
+    assert full.notes == [] and not full.wraps_in_ddp and full.fully_sharded
+    assert "no samples" in sharding.mode(TrainConfig(shard="full"), cpu).notes[0]
 
 
 def test_sharding_outside_torchrun_says_how(tiny_args, tmp_path):
@@ -276,10 +275,12 @@ def test_inner_micro_steps_leave_fsdp2_grads_unreduced():
         torch.manual_seed(0)
         model, ref = GPT(cfg), GPT(cfg)
         ref.load_state_dict(model.state_dict())
-        sharding.shard_model(model, "full")
+        procs = Processes(ddp=True, rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+        full = sharding.mode(TrainConfig(shard="full", adamw_impl="torch"), procs)
+        full.shard_model(model)
         x = torch.randint(0, 64, (2, 2, 16))
         for micro, sync in enumerate((False, True)):
-            with sharding.micro_step(model, model, "full", sync):
+            with full.micro_step(model, model, sync):
                 model(x[micro], x[micro]).backward()
             ref(x[micro], x[micro]).backward()
             grads = [p.grad for p in model.parameters()]
@@ -295,7 +296,7 @@ def test_zero1_compiled_graph_is_cut_where_ddps_is(monkeypatch):
     """torch.compile under DDP cuts the graph where DDP's gradient buckets end (Dynamo's
     DDPOptimizer). ZeRO-1's parameters are views into one bucket, and DDPOptimizer counted each
     as its whole storage: the graph was cut at nearly every parameter (76 subgraphs at 124M
-    instead of DDP's 14). sharding.make_optimizer corrects the count: ZeRO-1's cuts are DDP's,
+    instead of DDP's 14). ZeRO1.make_optimizer corrects the count: ZeRO-1's cuts are DDP's,
     with the same bytes counted in each. One gloo rank, aot_eager (no Inductor)."""
     import torch.distributed as dist
     from torch._dynamo.backends.distributed import DDPOptimizer
@@ -322,7 +323,9 @@ def test_zero1_compiled_graph_is_cut_where_ddps_is(monkeypatch):
             torch._dynamo.reset()
             torch.manual_seed(0)
             model = GPT(cfg)
-            opt = sharding.make_optimizer(model, TrainConfig(shard=mode), torch.device("cpu"))
+            cfg_mode, cpu = TrainConfig(shard=mode), torch.device("cpu")
+            procs = Processes(ddp=True, rank=0, local_rank=0, world_size=1, device=cpu)
+            opt = sharding.mode(cfg_mode, procs).make_optimizer(model, cfg_mode, cpu)
             # 1 MB buckets (DDP's first bucket's size): DDP's own graph has cuts too
             wrapped.append(DDP(torch.compile(model, backend="aot_eager"), bucket_cap_mb=1))
             wrapped[-1](x, x).backward()

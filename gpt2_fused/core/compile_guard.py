@@ -39,7 +39,7 @@ def pick_mode(mode, device, ddp, flop_per_layer):
     """torch.compile's mode; "auto" is "reduce-overhead" (CUDA graphs: the step replayed, not
     launched op by op) for one process on a GPU whose micro-batch is small enough for the host
     to pace the step (flop_per_layer: one micro-batch's forward and backward FLOP over n_layer),
-    else "default". Under torchrun "default" (sharding.check)."""
+    else "default". Under torchrun "default" (sharding.mode)."""
     if mode != "auto":
         return mode
     graphs = device.type == "cuda" and not ddp and flop_per_layer < GRAPHS_BELOW_FLOP_PER_LAYER

@@ -42,9 +42,9 @@ MIN_TORCH = (2, 11)
 BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
-def check(recipe, device, shard):
+def check(recipe, device):
     """ValueError (one line: what is wrong, what to do) where this run cannot train with `recipe`
-    on `device` (a torch.device or its string); nothing for "off". Every `shard` mode runs
+    on `device` (a torch.device or its string); nothing for "off". Every sharding mode runs
     ("none", "optimizer", "full"): rowwise under FSDP2 gathers the fp32 weights (torchao's float8
     all-gather is tensorwise only). Runs a tiny FP8 GEMM on the GPU, forward and backward, so that
     a missing kernel (say rowwise on a GPU or torch build without it) stops the run here, not at
@@ -98,10 +98,10 @@ def check(recipe, device, shard):
         ) from e
 
 
-def convert(model, recipe, shard):
+def convert(model, recipe, fully_sharded):
     """Swap the blocks' Linears of `model` (a model.GPT on its device, before torch.compile, DDP
-    or sharding.shard_model) for torchao's Float8Linear, in place; their names. With
-    shard="full" and tensorwise, their weights become torchao's float8 all-gather wrappers."""
+    or sharding's shard_model) for torchao's Float8Linear, in place; their names. fully_sharded
+    (FSDP2) and tensorwise: their weights become torchao's float8 all-gather wrappers."""
     if recipe == "off":
         return []
     if recipe not in RECIPES:
@@ -112,7 +112,7 @@ def convert(model, recipe, shard):
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    if shard == "full" and recipe == "tensorwise":
+    if fully_sharded and recipe == "tensorwise":
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     wanted = {
         f"transformer.h.{i}.{name}"
@@ -139,12 +139,12 @@ def convert(model, recipe, shard):
     return converted
 
 
-def after_optimizer_step(model, recipe, shard):
-    """Call after every optimizer step (model: the raw model, FSDP2's under shard="full"). With
+def after_optimizer_step(model, recipe, fully_sharded):
+    """Call after every optimizer step (model: the raw model, FSDP2's when fully_sharded). With
     the float8 all-gather (tensorwise under FSDP2) computes the next forward's scales of all the
     blocks' weights in one all-reduce; without it each weight's all-gather would all-reduce its
     own amax. Nothing otherwise."""
-    if recipe == "tensorwise" and shard == "full":
+    if recipe == "tensorwise" and fully_sharded:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)

@@ -42,78 +42,180 @@ from gpt2_fused.core.optim import adamw_parts, build_optimizer, clipped_step, lo
 MODES = ("none", "optimizer", "full")
 
 
-def check(cfg, procs):
-    """ConfigError for a combination that does not run; returns notes for the start-up report."""
+def mode(cfg, procs):
+    """The run's sharding mode (one of the classes below, by cfg.shard); ConfigError for a
+    combination that does not run."""
+    if cfg.shard not in MODES:
+        raise ConfigError(f"config key 'shard': one of {MODES}, not {cfg.shard!r}")
     if procs.ddp and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
         raise ConfigError(
             f"compile_mode={cfg.compile_mode!r} under torchrun: CUDA graphs with DDP's and "
             "FSDP2's gradient buckets are not supported here; pass --compile_mode=default"
         )
-    if cfg.shard not in MODES:
-        raise ConfigError(f"config key 'shard': one of {MODES}, not {cfg.shard!r}")
-    if cfg.shard == "none":
-        return []
+    return {"none": DataParallel, "optimizer": ZeRO1, "full": FSDP2}[cfg.shard](cfg, procs)
+
+
+class DataParallel:
+    """shard="none": every rank holds everything; under torchrun DDP all-reduces the grads (the
+    trainer wraps the model), in one process the model trains as it is."""
+
+    name = "none"
+    wraps_in_ddp = True  # the trainer puts the (compiled) model in DDP under torchrun
+    samples = True  # generate() can read the weights between steps
+    fully_sharded = False  # parameters are DTensor shards (fp8's float8 all-gather)
+
+    def __init__(self, cfg, procs):
+        self.notes = []  # for the start-up report
+
+    def shard_model(self, raw_model):
+        """Shard raw_model in place (before compile and DDP); nothing here."""
+
+    def make_optimizer(self, raw_model, cfg, device):
+        return build_optimizer(raw_model, cfg, device)
+
+    def micro_step(self, train_model, raw_model, sync):
+        """The context of one micro-step's forward; sync: reduce the grads in this backward (the
+        last micro-step). DDP: no_sync() on the others."""
+        return contextlib.nullcontext() if sync else train_model.no_sync()
+
+    def step(self, optimizer, raw_model, max_norm):
+        """Clip to max_norm by the global grad norm, update; returns that norm (device scalar)."""
+        return clipped_step(optimizer, raw_model.parameters(), max_norm)
+
+    def full_state(self, raw_model, optimizer, master):
+        """(model state dict, optimizer state dict) as a single process has them, on rank 0;
+        (None, None) elsewhere. Every rank must call it: it may gather."""
+        return (raw_model.state_dict(), optimizer.state_dict()) if master else (None, None)
+
+    def load_state(self, raw_model, optimizer, ckpt):
+        """Load a checkpoint's full model and optimizer state (any mode's, any world size); each
+        rank keeps its own part."""
+        raw_model.load_state_dict(ckpt["model"])
+        load_optimizer_state(optimizer, ckpt["optimizer"])  # ZeRO: this rank's part
+
+
+def _needs_torchrun(cfg, procs):
     if not procs.ddp:
         raise ConfigError(
             f"shard={cfg.shard!r} needs a process group: run it under torchrun (one GPU: "
             "torchrun --standalone --nproc_per_node=1 train.py ...)"
         )
-    if cfg.shard == "optimizer":
-        return []
-    if procs.device.type == "cuda" and cfg.adamw_impl == "fast":
-        raise ConfigError(
-            "shard='full' with adamw_impl='fast': the Triton AdamW addresses plain tensors, "
-            "FSDP2's parameters are DTensor shards; pass --adamw_impl=torch (torch's fused AdamW)"
+
+
+class ZeRO1(DataParallel):
+    """shard="optimizer": DDP's all-reduce, each rank the AdamW state of its own parameters."""
+
+    name = "optimizer"
+
+    def __init__(self, cfg, procs):
+        super().__init__(cfg, procs)
+        _needs_torchrun(cfg, procs)
+
+    def make_optimizer(self, raw_model, cfg, device):
+        """ZeroRedundancyOptimizer around the run's AdamW (the Triton one included: it sees only
+        this rank's parameters)."""
+        cls, groups, kw = adamw_parts(raw_model, cfg, device)
+        _count_parameters_by_their_own_bytes()
+        # parameters as views into one bucket per rank: one broadcast per rank, not per tensor
+        # (580 at 1558M); the weights move into the buckets, no copy is kept
+        return ZeroRedundancyOptimizer(
+            groups, optimizer_class=cls, parameters_as_bucket_view=True, **kw
         )
-    if cfg.hellaswag:
-        raise ConfigError(
-            "hellaswag=True with shard='full': an FSDP2 forward is collective and the ranks score "
-            "different numbers of examples; score a checkpoint with eval_hellaswag.py instead"
+
+    def full_state(self, raw_model, optimizer, master):
+        optimizer.consolidate_state_dict(to=0)  # each rank's part to rank 0, in CPU memory
+        if not master:
+            return None, None
+        state = optimizer.state_dict()
+        optimizer._all_state_dicts = []  # that CPU copy: 8 B/param of host memory until the next
+        return raw_model.state_dict(), state
+
+
+class FSDP2(DataParallel):
+    """shard="full": fully_shard on each Block, then on the root; no DDP."""
+
+    name = "full"
+    wraps_in_ddp = False
+    samples = False  # generate() reads the weights outside any FSDP2 forward
+    fully_sharded = True
+
+    def __init__(self, cfg, procs):
+        super().__init__(cfg, procs)
+        _needs_torchrun(cfg, procs)
+        if procs.device.type == "cuda" and cfg.adamw_impl == "fast":
+            raise ConfigError(
+                "shard='full' with adamw_impl='fast': the Triton AdamW addresses plain tensors, "
+                "FSDP2's parameters are DTensor shards; pass --adamw_impl=torch (torch's fused "
+                "AdamW)"
+            )
+        if cfg.hellaswag:
+            raise ConfigError(
+                "hellaswag=True with shard='full': an FSDP2 forward is collective and the ranks "
+                "score different numbers of examples; score a checkpoint with eval_hellaswag.py "
+                "instead"
+            )
+        if cfg.ddp_compile == "ddp":
+            raise ConfigError(
+                "ddp_compile='ddp' with shard='full': FSDP2 has no DDP module to compile"
+            )
+        if cfg.sample_interval > 0:
+            self.notes = ["shard='full': no samples in training (sample.py reads checkpoints)"]
+
+    def shard_model(self, raw_model):
+        """FSDP2 on each Block, then on the root model, in place (raw_model's parameters become
+        DTensor shards). The root holds wte, which is lm_head (one Parameter): its pre-forward
+        gathers it, so the loss inside GPT.forward reads the full, current weight."""
+        # each rank initialised its own weights (seed + rank) and FSDP2 keeps the slice it finds:
+        # rank 0's go to every rank first, as DDP does when it wraps the model
+        for t in itertools.chain(raw_model.parameters(), raw_model.buffers()):
+            dist.broadcast(t.detach(), src=0)
+        # At world size 1 (torch 2.13, read, measured on CPU only) FSDP2 skips the all-gather
+        # but copies each parameter into its unsharded tensor (one copy per tensor) at every
+        # unshard: in the forward, and again in the backward for the resharded blocks; its
+        # reduce-scatter still packs the grads (chunk_cat) per group; its hooks are eager Python
+        # per module (a torch.compile of the root runs 13 graphs, cut at each Block, as many as
+        # DDP's 14); the clip and the fused AdamW dispatch over DTensors (on CPU ~2.5x their
+        # plain-tensor time). reshard_after_forward=False on every block would drop the
+        # backward's copies at 4 B/param of gathered weights held from forward to backward (the
+        # memory FSDP2 is there to save)
+        blocks = raw_model.transformer.h
+        for i, block in enumerate(blocks):
+            # the last block's backward comes right after its forward: keep it gathered between
+            fully_shard(block, reshard_after_forward=i < len(blocks) - 1)
+        fully_shard(raw_model)
+
+    def micro_step(self, train_model, raw_model, sync):
+        """FSDP2 reads its flag in the backward, so it is set here and stays until the next
+        micro-step sets it (the grads accumulate unsharded meanwhile)."""
+        raw_model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def step(self, optimizer, raw_model, max_norm):
+        """clip_grad_norm_ over the DTensor grads all-reduces the shards' squared sums; the
+        in-place clip reads only this rank's 1/W of the grads."""
+        norm = torch.nn.utils.clip_grad_norm_(list(raw_model.parameters()), max_norm)
+        optimizer.step()
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def full_state(self, raw_model, optimizer, master):
+        """CPU tensors on rank 0."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = get_model_state_dict(raw_model, options=opts)
+        state = get_optimizer_state_dict(raw_model, optimizer, options=opts)
+        if not master:
+            return None, None
+        model["lm_head.weight"] = model["transformer.wte.weight"]  # tied: one tensor, saved once
+        return model, _by_index(state)
+
+    def load_state(self, raw_model, optimizer, ckpt):
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(raw_model, ckpt["model"], options=opts)
+        state = _by_name(ckpt["optimizer"], raw_model, optimizer)
+        load_optimizer_state(
+            optimizer,
+            state,
+            load=lambda s: set_optimizer_state_dict(raw_model, optimizer, s, options=opts),
         )
-    if cfg.ddp_compile == "ddp":
-        raise ConfigError("ddp_compile='ddp' with shard='full': FSDP2 has no DDP module to compile")
-    if cfg.sample_interval > 0:  # generate() reads the weights outside any FSDP2 forward
-        return ["shard='full': no samples during training (sample.py reads the checkpoints)"]
-    return []
-
-
-def shard_model(raw_model, shard):
-    """full: FSDP2 on each Block, then on the root model, in place (raw_model's parameters become
-    DTensor shards). The root holds wte, which is lm_head (one Parameter): its pre-forward gathers
-    it, so the loss inside GPT.forward reads the full, current weight. Other modes: nothing."""
-    if shard != "full":
-        return
-    # each rank initialised its own weights (seed + rank) and FSDP2 keeps the slice it finds:
-    # rank 0's go to every rank first, as DDP does when it wraps the model
-    for t in itertools.chain(raw_model.parameters(), raw_model.buffers()):
-        dist.broadcast(t.detach(), src=0)
-    # At world size 1 (torch 2.13, read, measured on CPU only) FSDP2 skips the all-gather but
-    # copies each parameter into its unsharded tensor (one copy per tensor) at every unshard: in
-    # the forward, and again in the backward for the resharded blocks; its reduce-scatter still
-    # packs the grads (chunk_cat) per group; its hooks are eager Python per module (a torch.compile
-    # of the root runs 13 graphs, cut at each Block, as many as DDP's 14); the clip and the fused
-    # AdamW dispatch over DTensors (on CPU ~2.5x their plain-tensor time).
-    # reshard_after_forward=False on every block would drop the backward's copies at 4 B/param
-    # of gathered weights held from forward to backward (the memory FSDP2 is there to save)
-    blocks = raw_model.transformer.h
-    for i, block in enumerate(blocks):
-        # the last block's backward comes right after its forward: keep it gathered in between
-        fully_shard(block, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(raw_model)
-
-
-def make_optimizer(raw_model, cfg, device):
-    """optimizer: ZeroRedundancyOptimizer around the run's AdamW (the Triton one included: it sees
-    only this rank's parameters); otherwise the AdamW itself (DTensor parameters under FSDP2)."""
-    if cfg.shard != "optimizer":
-        return build_optimizer(raw_model, cfg, device)
-    cls, groups, kw = adamw_parts(raw_model, cfg, device)
-    _count_parameters_by_their_own_bytes()
-    # parameters as views into one bucket per rank: one broadcast per rank, not per tensor (580
-    # at 1558M); the weights move into the buckets, no copy is kept
-    return ZeroRedundancyOptimizer(
-        groups, optimizer_class=cls, parameters_as_bucket_view=True, **kw
-    )
 
 
 def _count_parameters_by_their_own_bytes():
@@ -141,65 +243,6 @@ def _count_parameters_by_their_own_bytes():
 
     add_param._own_bytes = True
     DDPOptimizer.add_param = add_param
-
-
-def micro_step(train_model, raw_model, shard, sync):
-    """The context of one micro-step's forward; sync: reduce the grads in this backward (the last
-    micro-step). DDP: no_sync() on the others. FSDP2 reads its flag in the backward, so it is set
-    here and stays until the next micro-step sets it (the grads accumulate unsharded meanwhile)."""
-    if shard == "full":
-        raw_model.set_requires_gradient_sync(sync)
-        return contextlib.nullcontext()
-    return contextlib.nullcontext() if sync else train_model.no_sync()
-
-
-def step(optimizer, raw_model, shard, max_norm):
-    """Clip to max_norm by the global grad norm, update; returns that norm (a device scalar).
-    FSDP2: clip_grad_norm_ over the DTensor grads all-reduces the shards' squared sums; the
-    in-place clip reads only this rank's 1/W of the grads."""
-    if shard != "full":
-        return clipped_step(optimizer, raw_model.parameters(), max_norm)
-    norm = torch.nn.utils.clip_grad_norm_(list(raw_model.parameters()), max_norm)
-    optimizer.step()
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
-def full_state(raw_model, optimizer, shard, master):
-    """(model state dict, optimizer state dict) as a single process has them, on rank 0 (CPU
-    tensors under FSDP2); (None, None) elsewhere. Every rank must call it: it gathers."""
-    if shard == "optimizer":
-        optimizer.consolidate_state_dict(to=0)  # each rank's part to rank 0, in CPU memory
-        if not master:
-            return None, None
-        state = optimizer.state_dict()
-        optimizer._all_state_dicts = []  # that CPU copy: 8 B/param of host memory until the next
-        return raw_model.state_dict(), state
-    if shard == "full":
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model = get_model_state_dict(raw_model, options=opts)
-        state = get_optimizer_state_dict(raw_model, optimizer, options=opts)
-        if not master:
-            return None, None
-        model["lm_head.weight"] = model["transformer.wte.weight"]  # tied: one tensor, saved once
-        return model, _by_index(state)
-    return (raw_model.state_dict(), optimizer.state_dict()) if master else (None, None)
-
-
-def load_state(raw_model, optimizer, ckpt, shard):
-    """Load a checkpoint's full model and optimizer state (any mode's, any world size); each rank
-    keeps its own part."""
-    if shard != "full":
-        raw_model.load_state_dict(ckpt["model"])
-        load_optimizer_state(optimizer, ckpt["optimizer"])  # ZeRO: this rank's part
-        return
-    opts = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(raw_model, ckpt["model"], options=opts)
-    state = _by_name(ckpt["optimizer"], raw_model, optimizer)
-    load_optimizer_state(
-        optimizer,
-        state,
-        load=lambda s: set_optimizer_state_dict(raw_model, optimizer, s, options=opts),
-    )
 
 
 def _by_index(state):
