@@ -61,8 +61,6 @@ from gpt2_fused.core.runlog import LogError, RunLog, StepLog, StepStats, git_sha
 from gpt2_fused.core.signals import StopFlag
 from model import GPT, IMPL_KEYS
 
-__all__ = ["TrainConfig", "main"]  # scripts import TrainConfig from here
-
 # what --resume reads from a checkpoint (save() writes these and more)
 RESUME_KEYS = ("model", "model_config", "optimizer", "step", "loader", "rng")
 
