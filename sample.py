@@ -7,7 +7,8 @@
 With no prompt, samples start from <|endoftext|>, as GPT-2's unconditional samples do.
 Generation uses a static KV cache and, on CUDA, a one-token step replayed as a CUDA graph
 (--decode, gpt2_fused/core/generate.py); past block_size the context is cropped to the last
-block_size tokens.
+block_size tokens. A --ckpt directory whose newest checkpoint does not load falls back to the
+one before it, naming the file it skipped.
 The same --seed on the same device gives the same text. One sample is printed as its tokens
 come; the speed goes to stderr at the end.
 """
@@ -20,10 +21,13 @@ from pathlib import Path
 
 import torch
 
-from gpt2_fused.core import generate, model_io
+from gpt2_fused.core import cli, generate, model_io
 from gpt2_fused.core.checkpoint import CheckpointError
 from gpt2_fused.core.device import DTYPES, pick_device, resolve_dtype
-from gpt2_fused.core.errors import run_main
+from gpt2_fused.core.errors import UsageError, run_main
+
+# errors the user can fix: one line each (gpt2_fused/core/errors.py), the path named
+USER_ERRORS = {CheckpointError: "checkpoint error", OSError: "error", ValueError: "error"}
 
 
 def load_model(ckpt=None, hf_dir=None, device="cpu", dtype=torch.float32):
@@ -39,7 +43,7 @@ def load_model(ckpt=None, hf_dir=None, device="cpu", dtype=torch.float32):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest ckpt_*.pt)")
     src.add_argument("--hf-dir", help="local HF GPT-2 directory (config.json + weights)")
@@ -80,7 +84,10 @@ def main(argv=None):
     args = parse_args(argv)
     from data.tokenizer import EOT, get_tokenizer
 
-    device = pick_device(args.device)
+    try:
+        device = pick_device(args.device)
+    except ValueError as e:
+        raise UsageError(f"--device: {e}") from None
     dtype = resolve_dtype(args.dtype, device)
     model = load_model(args.ckpt, args.hf_dir, device, dtype)
     enc = get_tokenizer()
@@ -194,4 +201,4 @@ class Stream:
 
 
 if __name__ == "__main__":
-    run_main(main, {CheckpointError: "checkpoint error", FileNotFoundError: "error"})
+    run_main(main, USER_ERRORS)

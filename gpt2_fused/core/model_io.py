@@ -3,6 +3,7 @@ directories (config.json + model.safetensors) in both directions, without extra 
 
 import json
 import struct
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -26,16 +27,39 @@ def checkpoint_settings(saved):
     return defaults | PREDATED | {k: v for k, v in saved.items() if k not in IMPL_KEYS}
 
 
-def from_checkpoint(path, map_location="cpu"):
-    """Load (model, ckpt) from a checkpoint file, or the newest ckpt_*.pt of a directory."""
+def from_checkpoint(path, map_location="cpu", warn=None):
+    """Load (model, ckpt) from a checkpoint file, or from the newest ckpt_*.pt of a directory
+    that loads: as --resume does, a newer one that does not is skipped with a line through `warn`
+    (default: stderr) naming it; unlike --resume, nothing is renamed, as reading a run's
+    directory should not change it. A missing path is a FileNotFoundError naming it."""
     path = Path(path)
-    if path.is_dir():
-        ckpts = list_checkpoints(path)
-        if not ckpts:
-            raise FileNotFoundError(f"no ckpt_*.pt checkpoint in directory {path}")
-        path = Path(ckpts[-1])
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint {path} does not exist")
+        return _from_file(path, map_location)
+    ckpts = list_checkpoints(path)
+    if not ckpts:
+        raise FileNotFoundError(f"no ckpt_*.pt checkpoint in directory {path}")
+    failed = []
+    for newest in reversed(ckpts):
+        try:
+            loaded = _from_file(Path(newest), map_location)
+        except CheckpointError as e:
+            failed.append(e)
+            continue
+        for e in failed:
+            (warn or _stderr)(f"warning: {e}; skipped it and loaded {newest}")
+        return loaded
+    if len(failed) == 1:
+        raise failed[0]
+    raise CheckpointError(f"no checkpoint in {path} loads: " + "; ".join(map(str, failed)))
+
+
+def _stderr(line):
+    print(line, file=sys.stderr, flush=True)
+
+
+def _from_file(path, map_location):
     ckpt = load_checkpoint(path, map_location)  # CheckpointError naming it if damaged
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
