@@ -9,7 +9,8 @@ runs on import.
     compile_guard.py  torch.compile's settings, and the compiled-vs-eager loss check
     runlog.py         step stats read one step late, log.jsonl / W&B, the stop on signals
     device.py         device and dtype choice, peak FLOP/s
-    errors.py         one-line errors for the command lines
+    cli.py            the command lines' one language: flag forms, the closest flag to a typo
+    errors.py         one-line errors for the command lines, exit 2 for usage errors
     generate.py       sampling with a static KV cache (model.generate, sample.py)
     model_io.py       models from checkpoints and HF GPT-2 directories, and back
 """
