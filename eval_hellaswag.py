@@ -7,18 +7,17 @@ torchrun --standalone --nproc_per_node=8 eval_hellaswag.py --ckpt out/
 """
 
 import argparse
-import sys
 
 import torch
 
 from data import hellaswag
-from gpt2_fused.core import distributed
+from gpt2_fused.core import cli, distributed, model_io
 from gpt2_fused.core.device import resolve_dtype
-from sample import load_model
+from gpt2_fused.core.errors import UsageError, run_main
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest ckpt_*.pt)")
     src.add_argument("--hf-dir", help="local HF GPT-2 directory (config.json + weights)")
@@ -42,13 +41,16 @@ def parse_args(argv=None):
 def main(argv=None):
     """The scores (hellaswag.evaluate's dict); rank 0 prints them on one line."""
     args = parse_args(argv)
-    procs = distributed.setup(args.device)
+    try:
+        procs = distributed.setup(args.device)
+    except ValueError as e:
+        raise UsageError(f"--device: {e}") from None
     device, finished = procs.device, False
     try:
         hellaswag.load_tokenized(args.data)  # a missing or bad file fails before the model loads
         dtype = resolve_dtype(args.dtype, device)
         # fp32 weights with autocast, as in training: the number to compare with the val loss's
-        model = load_model(args.ckpt, args.hf_dir, device, torch.float32)
+        model = model_io.load_model(args.ckpt, args.hf_dir, device, torch.float32)
         res = hellaswag.evaluate(
             model,
             args.data,
@@ -74,10 +76,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (FileNotFoundError, ValueError, ConnectionError) as err:
-        sys.exit(f"error: {err}")
+    run_main(main, model_io.USER_ERRORS | {ConnectionError: "error"})
     distributed.exit_if_launched()
 
 # Expected output (GPT-2 124M imported with --hf-dir, all 10,042 examples; llm.c reports

@@ -7,7 +7,8 @@
 With no prompt, samples start from <|endoftext|>, as GPT-2's unconditional samples do.
 Generation uses a static KV cache and, on CUDA, a one-token step replayed as a CUDA graph
 (--decode, gpt2_fused/core/generate.py); past block_size the context is cropped to the last
-block_size tokens.
+block_size tokens. A --ckpt directory whose newest checkpoint does not load falls back to the
+one before it, naming the file it skipped.
 The same --seed on the same device gives the same text. One sample is printed as its tokens
 come; the speed goes to stderr at the end.
 """
@@ -20,26 +21,14 @@ from pathlib import Path
 
 import torch
 
-from gpt2_fused.core import generate, model_io
-from gpt2_fused.core.checkpoint import CheckpointError
+from gpt2_fused.core import cli, generate, model_io
 from gpt2_fused.core.device import DTYPES, pick_device, resolve_dtype
-from gpt2_fused.core.errors import run_main
+from gpt2_fused.core.errors import UsageError, run_main
 
 
-def load_model(ckpt=None, hf_dir=None, device="cpu", dtype=torch.float32):
-    """Our checkpoint (file or out_dir) or an HF GPT-2 directory -> eval-mode GPT on device."""
-    if (ckpt is None) == (hf_dir is None):
-        raise ValueError("give exactly one of ckpt or hf_dir")
-    if ckpt is not None:
-        model, _ = model_io.from_checkpoint(ckpt, map_location="cpu")
-    else:
-        model = model_io.from_hf(hf_dir)
-    # Whole-model cast, not autocast: decoding is latency-bound and the cast weights halve traffic.
-    return model.to(device=device, dtype=dtype).eval()
-
-
+# errors the user can fix: one line each (gpt2_fused/core/errors.py), the path named
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest ckpt_*.pt)")
     src.add_argument("--hf-dir", help="local HF GPT-2 directory (config.json + weights)")
@@ -80,9 +69,12 @@ def main(argv=None):
     args = parse_args(argv)
     from data.tokenizer import EOT, get_tokenizer
 
-    device = pick_device(args.device)
+    try:
+        device = pick_device(args.device)
+    except ValueError as e:
+        raise UsageError(f"--device: {e}") from None
     dtype = resolve_dtype(args.dtype, device)
-    model = load_model(args.ckpt, args.hf_dir, device, dtype)
+    model = model_io.load_model(args.ckpt, args.hf_dir, device, dtype)
     enc = get_tokenizer()
 
     text = args.prompt
@@ -195,4 +187,4 @@ class Stream:
 
 
 if __name__ == "__main__":
-    run_main(main, {CheckpointError: "checkpoint error", FileNotFoundError: "error"})
+    run_main(main, model_io.USER_ERRORS)

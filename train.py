@@ -6,8 +6,8 @@
 
 Settings are the fields of `TrainConfig` (gpt2_fused/core/config.py) and of the model's `GPTConfig`
 nested in it; a config file (Python, run with runpy: `name = value` lines) sets some of them, then
-`--name=value` arguments override (parsed as Python literals). Checkpoints go to
-out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest one.
+`--name=value` or `--name value` arguments override (Python literals; core/cli.py). Checkpoints
+go to out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest one.
 """
 
 import contextlib

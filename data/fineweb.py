@@ -13,10 +13,9 @@ run the same pipeline on local files (see data/prepare.py for the formats), with
 `--val-from` files or else the first 2**20 tokens of whole documents.
 """
 
-import argparse
-
 from data.prepare import CACHE_DIR, CLI_ERRORS, add_prepare_args, prepare, run_local
-from gpt2_fused.core.errors import run_main
+from gpt2_fused.core import cli
+from gpt2_fused.core.errors import UsageError, run_main
 
 
 def hub_docs(version="10BT", edu=False):
@@ -29,7 +28,7 @@ def hub_docs(version="10BT", edu=False):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
     add_prepare_args(parser, default_name=None)
     parser.add_argument("--version", choices=["10BT", "100BT"], default="10BT", help="sample size")
     parser.add_argument("--edu", action="store_true", help="FineWeb-Edu instead of FineWeb")
@@ -42,7 +41,7 @@ def main(argv=None):
     if local:
         return run_local(args, out_dir)
     if args.val_from:
-        raise SystemExit("--val-from needs local inputs (--from-text / --from-jsonl)")
+        raise UsageError("--val-from needs local inputs (--from-text / --from-jsonl)")
     return prepare(
         hub_docs(args.version, args.edu),
         out_dir,

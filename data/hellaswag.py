@@ -27,7 +27,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -40,6 +39,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from data.tokenizer import EOT, get_tokenizer
+from gpt2_fused.core import cli
+from gpt2_fused.core.errors import run_main
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 VAL_EXAMPLES = 10042  # lines of hellaswag_val.jsonl, one example each
@@ -330,7 +331,7 @@ def download(out_dir=DEFAULT_DIR, url=URL):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="command", required=True)
@@ -341,7 +342,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (FileNotFoundError, ValueError, ConnectionError) as err:
-        sys.exit(f"error: {err}")
+    run_main(main, {FileNotFoundError: "error", ValueError: "error", ConnectionError: "error"})

@@ -32,6 +32,7 @@ import numpy as np
 
 from data.shards import DataError, read_header, write_shard
 from data.tokenizer import EOT, get_tokenizer
+from gpt2_fused.core.errors import UsageError
 
 CACHE_DIR = Path(__file__).resolve().parent / "cache"
 SHARD_SIZE = 10**8  # tokens per shard (200 MB), as in llm.c and modded-nanogpt
@@ -343,7 +344,7 @@ def add_prepare_args(parser, default_name):
 def run_local(args, out_dir):
     """Prepare from the local files named on the command line; the caller handles the hub case."""
     if args.from_text and args.from_jsonl:
-        raise SystemExit("give --from-text or --from-jsonl, not both")
+        raise UsageError("give --from-text or --from-jsonl, not both")
     paths, fmt = (args.from_text, "text") if args.from_text else (args.from_jsonl, "jsonl")
     for p in list(paths) + list(args.val_from or []):
         if not Path(p).is_file():

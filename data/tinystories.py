@@ -8,10 +8,9 @@ shards. Local text files use the TinyStories release format: stories separated b
 `<|endoftext|>`; without `--val-from`, validation is the first 2**20 tokens of whole stories.
 """
 
-import argparse
-
 from data.prepare import CACHE_DIR, CLI_ERRORS, add_prepare_args, prepare, run_local
-from gpt2_fused.core.errors import run_main
+from gpt2_fused.core import cli
+from gpt2_fused.core.errors import UsageError, run_main
 
 HUB_REPO = "roneneldan/TinyStories"
 
@@ -25,14 +24,14 @@ def hub_docs(split):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
     add_prepare_args(parser, default_name="tinystories")
     args = parser.parse_args(argv)
     out_dir = args.out_dir or CACHE_DIR / args.name
     if args.from_text or args.from_jsonl:
         return run_local(args, out_dir)
     if args.val_from or args.val_tokens:
-        raise SystemExit(
+        raise UsageError(
             "--val-from / --val-tokens need local inputs: the hub has a validation split"
         )
     return prepare(

@@ -105,10 +105,10 @@ def test_softcap_is_a_model_setting_and_z_loss_a_training_one():
     assert (TrainConfig().model.softcap, TrainConfig().z_loss) == (0.0, 0.0)  # both off
 
 
-def test_bad_config_files(tmp_path):
+def test_bad_config_files(tmp_path, capsys):
     bad = tmp_path / "bad.py"
     bad.write_text("n_layers = 6\n")
-    with pytest.raises(ConfigError, match="n_layers"):
+    with pytest.raises(ConfigError, match="'n_layers' in .*; did you mean n_layer"):
         load_config([str(bad)])
     bad.write_text("max_steps = 10e9 / 524288\n")  # float for an int field
     with pytest.raises(ConfigError, match="max_steps"):
@@ -119,8 +119,10 @@ def test_bad_config_files(tmp_path):
     bad.write_text("# the text of a setting needs quotes\nmodel = gpt2\n")
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(bad))}:2: name 'gpt2' is not defined"):
         load_config([str(bad)])
-    with pytest.raises(SystemExit, match=r"^config error: .*bad.py:2: name 'gpt2'[^\n]*$"):
+    with pytest.raises(SystemExit) as exit_:
         run_main(lambda: train.main([str(bad)]), train.USER_ERRORS)  # one line on the command line
+    assert exit_.value.code == 2  # a usage error (errors.py)
+    assert re.fullmatch(r"config error: .*bad.py:2: name 'gpt2'[^\n]*\n", capsys.readouterr().err)
     with pytest.raises(ConfigError, match="not found"):
         load_config([str(tmp_path / "missing.py")])
     with pytest.raises(ConfigError, match="unexpected argument"):

@@ -1,5 +1,6 @@
 """sample.py: the command line end to end on a tiny random checkpoint (CPU)."""
 
+import shutil
 from dataclasses import asdict
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 import sample
 from data.tokenizer import EOT, get_tokenizer
 from gpt2_fused.core import model_io
+from gpt2_fused.core.errors import run_main
 from gpt2_fused.core.generate import generate
 from model import GPT, GPTConfig
 
@@ -89,16 +91,53 @@ def test_greedy_equals_model_generate_and_default_prompt_is_eot(capsys, ckpt_dir
         ["--ckpt", "x", "--dtype", "int8"],
     ],
 )
-def test_bad_arguments_exit_with_usage(argv, capsys):
+def test_bad_arguments_are_one_line_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
-        sample.main(argv)
-    assert e.value.code == 2
-    assert "error:" in capsys.readouterr().err
+        run_main(lambda: sample.main(argv), model_io.USER_ERRORS)
+    assert e.value.code == 2  # a usage error (gpt2_fused/core/errors.py)
+    err = capsys.readouterr().err
+    assert err.startswith("usage error: ") and err.count("\n") == 1, err
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no ckpt_"):
         sample.main(["--ckpt", str(tmp_path), "--device", "cpu"])
+
+
+@pytest.mark.parametrize("where", ["missing file", "missing dir"])
+def test_a_missing_ckpt_path_is_one_line_naming_it(tmp_path, where):
+    path = tmp_path / ("ckpt_0000001.pt" if where == "missing file" else "nothing")
+    with pytest.raises(SystemExit) as e:
+        run_main(lambda: sample.main(["--ckpt", str(path), "--device", "cpu"]), model_io.USER_ERRORS)
+    assert e.value.code == f"error: checkpoint {path} does not exist"
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(capsys, ckpt_dir, tmp_path):
+    """As --resume does: the newest that loads, the one skipped named on stderr (and, unlike
+    --resume, left where it is: sampling does not change a run's directory)."""
+    shutil.copy(ckpt_dir / "ckpt_0000007.pt", tmp_path / "ckpt_0000007.pt")
+    newest = tmp_path / "ckpt_0000009.pt"
+    raw = (ckpt_dir / "ckpt_0000007.pt").read_bytes()
+    newest.write_bytes(raw[: len(raw) // 2])  # truncated, as by a full disk or a copy cut short
+    common = ["--seed", "1", "--device", "cpu", "--num-samples", "2", "--max-new-tokens", "8"]
+    ids = sample.main(["--ckpt", str(tmp_path), *common])
+    err = capsys.readouterr().err
+    assert torch.equal(ids, sample.main(["--ckpt", str(ckpt_dir), *common]))
+    assert err.startswith(f"warning: {newest} does not load (")
+    assert f"truncated or corrupt; skipped it and loaded {tmp_path / 'ckpt_0000007.pt'}\n" in err
+    assert newest.exists()
+
+
+def test_no_checkpoint_that_loads_names_them_all(tmp_path):
+    for step in (1, 2):
+        (tmp_path / f"ckpt_000000{step}.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit) as e:
+        run_main(
+            lambda: sample.main(["--ckpt", str(tmp_path), "--device", "cpu"]), model_io.USER_ERRORS
+        )
+    msg = e.value.code
+    assert msg.startswith(f"checkpoint error: no checkpoint in {tmp_path} loads: ")
+    assert all(f"ckpt_000000{step}.pt does not load" in msg for step in (1, 2))
 
 
 def test_one_sample_is_streamed_and_the_speed_goes_to_stderr(capsys, ckpt_dir, monkeypatch):

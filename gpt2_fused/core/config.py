@@ -4,8 +4,9 @@ TrainConfig nests the model's own config (model.GPTConfig) as `cfg.model`; each 
 and checked once, in its dataclass. A config file is Python run with runpy (`name = value` lines);
 `--name=value` arguments override it and are parsed as Python literals. Both name the fields of
 either dataclass without a prefix (`n_layer = 12`, `--learning_rate=6e-4`), and `model` takes a
-GPT-2 preset name (`--model=gpt2`). Unknown keys and wrong types fail loudly (ConfigError). Each
-field's one-line meaning lives in its metadata and is what `python train.py --help` prints.
+GPT-2 preset name (`--model=gpt2`). The command line's other forms (`--name value`, hyphens) are
+cli.py's. Unknown keys and wrong types fail loudly (ConfigError, a usage error: exit status 2).
+Each field's one-line meaning lives in its metadata and is what `python train.py --help` prints.
 """
 
 import ast
@@ -18,13 +19,15 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field, replace
 
+from gpt2_fused.core import cli
 from gpt2_fused.core.compile_guard import BUFFER_REUSE, COMPILE_MODES
+from gpt2_fused.core.errors import UsageError
 from gpt2_fused.core.fp8 import RECIPES as FP8_RECIPES
 from model import IMPLS, GPTConfig, setting
 
 
-class ConfigError(ValueError):
-    pass
+class ConfigError(UsageError):
+    """A setting that is unknown, malformed, out of range or at odds with another."""
 
 
 def small_model():
@@ -179,14 +182,13 @@ def run_config_file(path):
 
 
 def load_config(argv):
-    """argv: [config.py ...] [--key=value | --flag ...] -> TrainConfig."""
+    """argv: [config.py ...] [--key=value | --key value | --flag ...] -> TrainConfig."""
     fields = setting_types()
+    switches = {k for k, typ in fields.items() if typ in (bool, bool | None)}
     overrides = {}
-    for arg in argv:
+    for arg in cli.config_argv(argv, fields, switches, ConfigError):  # unknown keys stop there
         if arg.startswith("--"):
             key, eq, text = arg[2:].partition("=")
-            if key not in fields:
-                raise ConfigError(f"unknown config key {key!r} (from {arg!r})")
             if not eq:
                 if fields[key] not in (bool, bool | None):
                     raise ConfigError(f"config key {key!r} needs a value: --{key}=...")
@@ -201,7 +203,8 @@ def load_config(argv):
                 if key.startswith("_") or callable(value) or isinstance(value, types.ModuleType):
                     continue
                 if key not in fields:
-                    raise ConfigError(f"unknown config key {key!r} in {arg}")
+                    near = cli.closest(key, fields)
+                    raise ConfigError(f"unknown config key {key!r} in {arg}; did you mean {near}?")
                 overrides[key] = _check_type(key, value, fields[key])
         else:
             raise ConfigError(f"unexpected argument {arg!r}: expected a config .py or --key=value")

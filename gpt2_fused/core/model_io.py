@@ -3,6 +3,7 @@ directories (config.json + model.safetensors) in both directions, without extra 
 
 import json
 import struct
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -26,16 +27,39 @@ def checkpoint_settings(saved):
     return defaults | PREDATED | {k: v for k, v in saved.items() if k not in IMPL_KEYS}
 
 
-def from_checkpoint(path, map_location="cpu"):
-    """Load (model, ckpt) from a checkpoint file, or the newest ckpt_*.pt of a directory."""
+def from_checkpoint(path, map_location="cpu", warn=None):
+    """Load (model, ckpt) from a checkpoint file, or from the newest ckpt_*.pt of a directory
+    that loads: as --resume does, a newer one that does not is skipped with a line through `warn`
+    (default: stderr) naming it; unlike --resume, nothing is renamed, as reading a run's
+    directory should not change it. A missing path is a FileNotFoundError naming it."""
     path = Path(path)
-    if path.is_dir():
-        ckpts = list_checkpoints(path)
-        if not ckpts:
-            raise FileNotFoundError(f"no ckpt_*.pt checkpoint in directory {path}")
-        path = Path(ckpts[-1])
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint {path} does not exist")
+        return _from_file(path, map_location)
+    ckpts = list_checkpoints(path)
+    if not ckpts:
+        raise FileNotFoundError(f"no ckpt_*.pt checkpoint in directory {path}")
+    failed = []
+    for newest in reversed(ckpts):
+        try:
+            loaded = _from_file(Path(newest), map_location)
+        except CheckpointError as e:
+            failed.append(e)
+            continue
+        for e in failed:
+            (warn or _stderr)(f"warning: {e}; skipped it and loaded {newest}")
+        return loaded
+    if len(failed) == 1:
+        raise failed[0]
+    raise CheckpointError(f"no checkpoint in {path} loads: " + "; ".join(map(str, failed)))
+
+
+def _stderr(line):
+    print(line, file=sys.stderr, flush=True)
+
+
+def _from_file(path, map_location):
     ckpt = load_checkpoint(path, map_location)  # CheckpointError naming it if damaged
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
@@ -237,3 +261,19 @@ def _write_safetensors(path, tensors):
         for raw in chunks:
             f.write(raw)
     tmp.replace(path)  # never leave a half-written file under the real name
+
+
+# what sample.py and eval_hellaswag.py print as one line (gpt2_fused/core/errors.py)
+USER_ERRORS = {CheckpointError: "checkpoint error", OSError: "error", ValueError: "error"}
+
+
+def load_model(ckpt=None, hf_dir=None, device="cpu", dtype=torch.float32):
+    """Our checkpoint (file or out_dir) or an HF GPT-2 directory -> eval-mode GPT on device."""
+    if (ckpt is None) == (hf_dir is None):
+        raise ValueError("give exactly one of ckpt or hf_dir")
+    if ckpt is not None:
+        model, _ = from_checkpoint(ckpt, map_location="cpu")
+    else:
+        model = from_hf(hf_dir)
+    # Whole-model cast, not autocast: decoding is latency-bound and the cast weights halve traffic.
+    return model.to(device=device, dtype=dtype).eval()
