@@ -108,7 +108,8 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 def test_a_missing_ckpt_path_is_one_line_naming_it(tmp_path, where):
     path = tmp_path / ("ckpt_0000001.pt" if where == "missing file" else "nothing")
     with pytest.raises(SystemExit) as e:
-        run_main(lambda: sample.main(["--ckpt", str(path), "--device", "cpu"]), model_io.USER_ERRORS)
+        argv = ["--ckpt", str(path), "--device", "cpu"]
+        run_main(lambda: sample.main(argv), model_io.USER_ERRORS)
     assert e.value.code == f"error: checkpoint {path} does not exist"
 
 
