@@ -8,6 +8,7 @@ runs on import.
     optim.py          AdamW (groups, the clipped step, state loading) and the LR schedule
     compile_guard.py  torch.compile's settings, and the compiled-vs-eager loss check
     runlog.py         step stats read one step late, log.jsonl / W&B, the stop on signals
+    plot.py           the loss curve (out_dir/loss.png) from log.jsonl
     device.py         device and dtype choice, peak FLOP/s
     errors.py         one-line errors for the command lines
     generate.py       sampling with a static KV cache (model.generate, sample.py)
