@@ -26,7 +26,7 @@ from data import hellaswag, resolve_dataset
 from data.loader import DataLoader, iter_val_batches
 from data.shards import DataError, read_shard
 from data.tokenizer import EOT, get_tokenizer
-from gpt2_fused.core import distributed, fp8, sharding
+from gpt2_fused.core import distributed, fp8, plot, sharding
 from gpt2_fused.core.checkpoint import (
     CheckpointError,
     list_checkpoints,
@@ -445,6 +445,8 @@ def main(argv=None, train_loader=DataLoader):
         if device.type == "cuda":
             gib = torch.cuda.max_memory_allocated(device) / 2**30
             print0(f"peak GPU memory allocated: {gib:.2f} GiB" + (" (rank 0)" if procs.ddp else ""))
+        if procs.master:  # out_dir/loss.png when matplotlib is installed, else how to draw it
+            print0(plot.loss_curve(cfg.out_dir))
         finished = True
     except torch.OutOfMemoryError as e:
         raise torch.OutOfMemoryError(

@@ -45,6 +45,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from data.prepare import CACHE_DIR  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 
 PRESETS = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
@@ -297,7 +298,7 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     work = os.path.join(ROOT, "out", "throughput")
-    dataset = random_dataset(os.path.join(ROOT, "data", "cache", "random"), 1 << 24)
+    dataset = random_dataset(str(CACHE_DIR / "random"), 1 << 24)
     results = dict(date=time.strftime("%Y-%m-%d"), runs=[], profiles=[], max_batch=[])
     path = os.path.join(args.out, "throughput.json")
 

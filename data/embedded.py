@@ -1,9 +1,10 @@
 """The embedded default dataset: Wikipedia text shipped in data/embedded/, tokenised on first use.
 
-The shards go to data/cache/embedded-<hash>/, where <hash> covers the text files and the pipeline
-version, so edited text never reuses stale shards. Several processes (e.g. DDP ranks) may prepare at
-once: each works in its own temporary folder and renames it into place; the first rename wins and
-the others discard their identical copies. A folder under the final name is therefore complete.
+The shards go to data/cache/embedded-<hash>/ (or $GPT2_FUSED_CACHE/embedded-<hash>/), where <hash>
+covers the text files and the pipeline version, so edited text never reuses stale shards. Several
+processes (e.g. DDP ranks) may prepare at once: each works in its own temporary folder and renames
+it into place; the first rename wins and the others discard their identical copies. A folder under
+the final name is therefore complete.
 """
 
 import hashlib
@@ -21,7 +22,7 @@ PIPELINE_VERSION = "1"  # bump when the tokenisation or shard layout changes
 
 
 def embedded_dir(cache_dir=None):
-    """Where the embedded dataset's shards live (prepared or not); default under data/cache/."""
+    """Where the embedded dataset's shards live (prepared or not); default under CACHE_DIR."""
     h = hashlib.sha256(PIPELINE_VERSION.encode())
     for path in (TRAIN_FILE, VAL_FILE):
         if not path.is_file():

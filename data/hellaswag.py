@@ -1,6 +1,6 @@
 """HellaSwag (validation split): download, parsing, and the evaluation llm.c reports for GPT-2.
 
-    python -m data.hellaswag download               # -> data/cache/hellaswag/hellaswag_val.jsonl
+    python -m data.hellaswag download               # -> data/cache/hellaswag/ ($GPT2_FUSED_CACHE)
 
 `evaluate(model, ...)` scores a model; eval_hellaswag.py (beside train.py) scores a checkpoint or
 an HF GPT-2 directory from the command line, also under torchrun.
@@ -38,13 +38,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from data.prepare import CACHE_DIR
 from data.tokenizer import EOT, get_tokenizer
 from gpt2_fused.core import cli
 from gpt2_fused.core.errors import run_main
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 VAL_EXAMPLES = 10042  # lines of hellaswag_val.jsonl, one example each
-DEFAULT_DIR = Path(__file__).resolve().parent / "cache" / "hellaswag"
+DEFAULT_DIR = CACHE_DIR / "hellaswag"
 DEFAULT_PATH = DEFAULT_DIR / "hellaswag_val.jsonl"
 # No sha256 is pinned: the file could not be fetched where this module was written (no network),
 # and a checksum nobody verified is worse than none. A download is checked instead against its

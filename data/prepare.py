@@ -34,7 +34,11 @@ from data.shards import DataError, read_header, write_shard
 from data.tokenizer import EOT, get_tokenizer
 from gpt2_fused.core.errors import UsageError
 
-CACHE_DIR = Path(__file__).resolve().parent / "cache"
+# Prepared datasets and downloads go to data/cache/ in the clone, or to $GPT2_FUSED_CACHE (a bigger
+# disk, a shared folder; as HF_DATASETS_CACHE moves `datasets`' cache), never beside installed code.
+CACHE_ENV = "GPT2_FUSED_CACHE"
+CACHE_DIR = Path(os.environ.get(CACHE_ENV) or Path(__file__).resolve().parent / "cache")
+CACHE_DIR = CACHE_DIR.expanduser()
 SHARD_SIZE = 10**8  # tokens per shard (200 MB), as in llm.c and modded-nanogpt
 LOCAL_VAL_TOKENS = 2**20  # default val size when it is cut from the head of local files
 _SEPARATOR = "<|endoftext|>"

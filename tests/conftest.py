@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny token dataset and the settings of a tiny, fast training run."""
 
+import importlib.util
 import json
 import os
 
@@ -13,6 +14,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from data.shards import write_shard  # noqa: E402
+
+# what a finished run adds to its out_dir beside checkpoints and log.jsonl (with matplotlib only)
+LOSS_PNG = ["loss.png"] if importlib.util.find_spec("matplotlib") else []
 
 # A 2-layer, 32-wide GPT over the first 512 token ids (tiny_data uses no others), micro-batches of
 # 4 x 32 tokens, 2 micro-steps per optimizer step: ~42K parameters, a few ms per step on a CPU.

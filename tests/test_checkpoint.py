@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train
-from conftest import read_log
+from conftest import LOSS_PNG, read_log
 from gpt2_fused.core import checkpoint
 from gpt2_fused.core.errors import run_main
 
@@ -149,7 +149,8 @@ def test_resume_falls_back_past_a_corrupt_newest_checkpoint(tiny_args, tmp_path,
     after, _ = read_log(out)
     assert sorted(after) == list(range(6)) and all(after[s] == before[s] for s in range(4))
     names = sorted(os.listdir(out))
-    assert names == ["ckpt_0000004.pt", "ckpt_0000004.pt.corrupt", "ckpt_0000006.pt", "log.jsonl"]
+    kept = ["ckpt_0000004.pt", "ckpt_0000004.pt.corrupt", "ckpt_0000006.pt", "log.jsonl"]
+    assert names == [*kept, *LOSS_PNG]
 
 
 def test_resume_refuses_when_no_checkpoint_loads(tiny_args, tmp_path):

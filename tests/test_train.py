@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import train
-from conftest import read_log
+from conftest import LOSS_PNG, read_log
 from data import resolve_dataset
 from data.loader import iter_val_batches
 from gpt2_fused.core import compile_guard, config, model_io
@@ -86,7 +86,7 @@ def test_default_config_smoke(tmp_path, capsys):
     losses, vals = read_log(out)
     assert sorted(losses) == [0, 1, 2] and sorted(vals) == [0, 2, 3]
     assert all(v == v and v < 11.5 for v in [*losses.values(), *vals.values()])
-    assert sorted(os.listdir(out)) == ["ckpt_0000003.pt", "log.jsonl"]
+    assert sorted(os.listdir(out)) == ["ckpt_0000003.pt", "log.jsonl", *LOSS_PNG]
     model, ckpt = model_io.from_checkpoint(out / "ckpt_0000003.pt")
     assert CKPT_KEYS <= set(ckpt) and ckpt["step"] == 3 and ckpt["val_loss"] == vals[3]
     assert ckpt["train_config"]["max_steps"] == 3 and model.config.n_layer == 4
@@ -96,7 +96,8 @@ def test_default_run_keeps_two_checkpoints(tiny_args, tmp_path):
     """keep_last=2 by default, so that a corrupt newest checkpoint has one to fall back on; the
     recipes keep 3."""
     train.main(tiny_args + [f"--out_dir={tmp_path}", "--max_steps=4", "--ckpt_interval=1"])
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000003.pt", "ckpt_0000004.pt", "log.jsonl"]
+    names = ["ckpt_0000003.pt", "ckpt_0000004.pt", "log.jsonl", *LOSS_PNG]
+    assert sorted(os.listdir(tmp_path)) == names
     for path in glob.glob(os.path.join(REPO, "configs", "*.py")):
         assert config.load_config([path]).keep_last == 3, path
 
@@ -377,9 +378,12 @@ def test_oom_error_suggests_a_smaller_micro_batch(tiny_args, tmp_path, monkeypat
         train.main(tiny_args + [f"--out_dir={tmp_path}", "--max_steps=1", "--eval_interval=0"])
 
 
-def test_plot_loss(tiny_args, tmp_path):
+def test_plot_loss(tiny_args, tmp_path, capsys):
+    """A finished run says where its loss curve is: out_dir/loss.png, drawn when matplotlib is
+    installed, else the bench/plot_loss.py command; that script draws the same log."""
     out = tmp_path / "out"
     train.main(tiny_args + [f"--out_dir={out}", "--max_steps=4", "--eval_interval=2"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
     png = tmp_path / "loss.png"
     res = subprocess.run(
         [sys.executable, "bench/plot_loss.py", str(out / "log.jsonl"), "-o", str(png)],
@@ -388,13 +392,26 @@ def test_plot_loss(tiny_args, tmp_path):
         text=True,
         check=False,
     )
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if not LOSS_PNG:
         assert res.returncode != 0 and "pip install matplotlib" in res.stderr
-    else:
-        assert res.returncode == 0, res.stderr
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        cmd = f"python bench/plot_loss.py {out / 'log.jsonl'} (pip install matplotlib)"
+        assert last == f"loss curve: {cmd}"
+        return
+    assert last == f"loss curve: {out / 'loss.png'}"
+    assert res.returncode == 0, res.stderr
+    for path in (png, out / "loss.png"):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_loss_curve_without_matplotlib_names_the_command(tmp_path, monkeypatch):
+    """Without matplotlib the run's last line is the command that draws the curve."""
+    from gpt2_fused.core import plot
+
+    (tmp_path / "log.jsonl").write_text('{"step": 0, "loss": 6.0}\n')
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # its import now fails
+    cmd = f"python bench/plot_loss.py {tmp_path / 'log.jsonl'} (pip install matplotlib)"
+    assert plot.loss_curve(str(tmp_path)) == f"loss curve: {cmd}"
+    assert not (tmp_path / "loss.png").exists()
 
 
 @pytest.mark.slow

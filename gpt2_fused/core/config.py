@@ -70,7 +70,9 @@ class TrainConfig:
     sample_interval: int = setting(150, "steps between printed samples")
     sample_tokens: int = setting(48, "tokens per printed sample")
     hellaswag: bool = setting(False, "HellaSwag acc_norm with each val loss")
-    hellaswag_path: str = setting("", '"" -> data/cache/hellaswag/hellaswag_val.jsonl')
+    hellaswag_path: str = setting(
+        "", '"" -> hellaswag/hellaswag_val.jsonl in data/cache (or $GPT2_FUSED_CACHE)'
+    )
     # checkpoints and logs
     out_dir: str = setting("out", "checkpoints and log.jsonl go here")
     ckpt_interval: int = setting(100, "steps between checkpoints (0: only at the end)")

@@ -1,0 +1,204 @@
+"""What a fresh install gets: no repo module hides an installed package, the distribution installs
+only the project's own packages, the locks README and CI install from, and where caches go."""
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OWN_DISTRIBUTION = "gpt2-fused"
+OWN_PACKAGES = {"gpt2_fused", "fused_loss"}
+
+
+def repo_top_level_names(root=REPO):
+    """The names `import X` finds at the repo root (from the clone, or with the root on sys.path):
+    X.py, X/__init__.py, and folders of .py files without one (namespace packages)."""
+    names = set()
+    for entry in os.scandir(root):
+        if entry.name.startswith((".", "_")):
+            continue
+        if entry.is_file() and entry.name.endswith(".py"):
+            names.add(entry.name[:-3])
+        elif entry.is_dir() and any(f.endswith(".py") for f in os.listdir(entry.path)):
+            names.add(entry.name)
+    return names
+
+
+def shadowed(names):
+    """{name: installed distributions that also install top-level `name`}, ours left out."""
+    own = re.sub(r"[-_.]+", "-", OWN_DISTRIBUTION).lower()
+    installed = importlib.metadata.packages_distributions()
+    found = {}
+    for name in sorted(names):
+        dists = {d for d in installed.get(name, []) if re.sub(r"[-_.]+", "-", d).lower() != own}
+        if dists:
+            found[name] = sorted(dists)
+    return found
+
+
+def test_no_repo_module_shadows_an_installed_distribution():
+    """From the clone, the repo's top-level modules come first on sys.path: one that shares its
+    name with an installed package hides that package from every dependency that imports it."""
+    clashes = shadowed(repo_top_level_names())
+    assert not clashes, (
+        f"repo modules hide installed packages of the same name: {clashes}; rename them or "
+        "move them under gpt2_fused/"
+    )
+
+
+def test_the_shadowing_check_names_a_clash(tmp_path):
+    """A kernels/ package at the root, as there once was, is caught while Hugging Face's kernels
+    (which transformers imports) is installed; any installed top-level name serves without it."""
+    installed = importlib.metadata.packages_distributions()
+    name = "kernels" if "kernels" in installed else sorted(installed)[0]
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "__init__.py").write_text("")
+    (tmp_path / "train.py").write_text("")
+    assert repo_top_level_names(tmp_path) == {name, "train"}
+    assert list(shadowed(repo_top_level_names(tmp_path))) == [name]
+
+
+def load_pyproject():
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: tomli, which pytest itself needs there
+        tomllib = pytest.importorskip("tomli")
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def test_pyproject_installs_only_the_projects_own_packages():
+    """No py-modules and no data package: the commands run from the clone, so `pip install -e .`
+    puts nothing named train, model, data or kernels into site-packages."""
+    st = load_pyproject()["tool"]["setuptools"]
+    assert "py-modules" not in st and "data" not in st.get("package-data", {})
+    packages = set(st["packages"])
+    assert {p.split(".")[0] for p in packages} == OWN_PACKAGES
+    on_disk = {
+        os.path.relpath(d, REPO).replace(os.sep, ".")
+        for top in OWN_PACKAGES
+        for d, _, files in os.walk(os.path.join(REPO, top))
+        if "__init__.py" in files
+    }
+    assert packages == on_disk  # every subpackage ships, or an installed import fails
+
+
+def test_wheel_holds_only_the_projects_own_packages(tmp_path):
+    """The wheel setuptools builds from pyproject.toml, from a copy of what it reads."""
+    pytest.importorskip("setuptools")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", *OWN_PACKAGES):
+        subprocess.run(["cp", "-r", os.path.join(REPO, name), str(src)], check=True)
+    cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation"]
+    res = subprocess.run([*cmd, "-q", "-w", str(tmp_path)], capture_output=True, text=True)
+    if res.returncode != 0 and "No module named pip" in res.stderr:
+        pytest.skip("no pip in this environment")
+    assert res.returncode == 0, res.stdout + res.stderr
+    (wheel,) = tmp_path.glob("gpt2_fused-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        tops = {n.split("/")[0] for n in z.namelist()}
+    assert {t for t in tops if not t.endswith(".dist-info")} == OWN_PACKAGES
+
+
+# ---------------------------------------------------------------- the locks, README and CI
+
+
+def readme_commands():
+    """The two install-and-run commands at the top of README.md."""
+    text = open(os.path.join(REPO, "README.md")).read()
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    return block.strip().splitlines()
+
+
+def lock_pins(name):
+    """{package: {versions}} of requirements/NAME.txt, each pin with its hashes."""
+    text = open(os.path.join(REPO, "requirements", f"{name}.txt")).read()
+    pins = {}
+    for req in re.split(r"\n(?=\S)", text):
+        m = re.match(r"([A-Za-z0-9_.-]+)==(\S+)", req)
+        if m:
+            assert "--hash=sha256:" in req, f"{name}.txt: {m[0]} has no hash"
+            pins.setdefault(m[1].lower(), set()).add(m[2])
+    return pins
+
+
+def test_readme_installs_from_the_locks_and_ci_runs_its_test_command():
+    run, test = readme_commands()
+    for line, lock, then in (
+        (run, "run", "python train.py"),
+        (test, "test", "python -m pytest -q"),
+    ):
+        steps = line.split(" && ")
+        assert steps[:2] == ["python3 -m venv .venv", ". .venv/bin/activate"], line
+        assert steps[2:] == [
+            "pip install torch==2.13.0",
+            f"pip install --require-hashes -r requirements/{lock}.txt",
+            then,
+        ]
+    # .ci/run makes its own fresh venv, then runs the rest of the second command as it is
+    ci = open(os.path.join(REPO, ".ci", "run")).read().splitlines()
+    assert " && ".join(test.split(" && ")[2:]) in ci
+
+
+def test_locks_pin_tested_versions_and_leave_torch_out():
+    """torch is installed first (its CPU or CUDA wheel); triton is the one torch 2.13.0's CUDA
+    wheel requires; what both locks hold, they pin alike, so the tests run what training runs."""
+    run, test = lock_pins("run"), lock_pins("test")
+    for pins in (run, test):
+        assert "torch" not in pins and pins["triton"] == {"3.7.1"}
+    assert set(run) <= set(test)
+    assert {k: v for k, v in run.items() if test[k] != v} == {}
+    for name in ("run", "test"):  # each lock comes from its .in by the command its header names
+        header = open(os.path.join(REPO, "requirements", f"{name}.in")).read()
+        cmd = re.search(r"^#\s+(uv pip compile .*?\.txt)$", header, re.M | re.S).group(1)
+        cmd = " ".join(cmd.replace("\\\n#", " ").split())
+        lock = open(os.path.join(REPO, "requirements", f"{name}.txt")).read()
+        assert cmd in lock.replace("\n#    ", " "), name
+
+
+# ---------------------------------------------------------------- caches
+
+
+def tree(path):
+    return {
+        (d, f, os.stat(os.path.join(d, f)).st_mtime_ns)
+        for d, _, files in os.walk(path)
+        for f in files
+    }
+
+
+def test_cache_env_moves_every_cache_out_of_the_clone(tmp_path):
+    """GPT2_FUSED_CACHE: the embedded dataset's shards and HellaSwag's file go there, and nothing
+    is written under the repo's data/cache."""
+    repo_cache = os.path.join(REPO, "data", "cache")
+    before = tree(repo_cache)
+    code = (
+        "from data import hellaswag, resolve_dataset; from data.prepare import CACHE_DIR; "
+        "train = resolve_dataset('embedded')[0]; print(CACHE_DIR, hellaswag.DEFAULT_PATH, train)"
+    )
+    env = dict(os.environ, GPT2_FUSED_CACHE=str(tmp_path))
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr
+    cache, hs, train_glob = res.stdout.strip().splitlines()[-1].split()
+    assert cache == str(tmp_path) and hs == str(tmp_path / "hellaswag" / "hellaswag_val.jsonl")
+    assert train_glob.startswith(str(tmp_path / "embedded-"))
+    assert list(tmp_path.glob("embedded-*/embedded_train_000001.bin"))
+    assert tree(repo_cache) == before
+
+
+def test_cache_defaults_to_the_clones_data_cache():
+    env = {k: v for k, v in os.environ.items() if k != "GPT2_FUSED_CACHE"}
+    code = "from data.prepare import CACHE_DIR; print(CACHE_DIR)"
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == os.path.join(REPO, "data", "cache")
