@@ -78,6 +78,8 @@ def test_preset_sets_shape_and_explicit_keys_win(tmp_path):
         (["--max_steps=-1"], "max_steps"),
         (["--final_lr_frac=2.0"], "final_lr_frac"),
         (["--dtype=fp16"], "dtype"),
+        (["--fp8=bf16"], "fp8"),
+        (["--shard=zero"], "shard"),
         (["--compile_mode=fastest"], "compile_mode"),
         (["--activation_memory_budget=0.0"], "activation_memory_budget"),
         (["--activation_memory_budget=1.5"], "activation_memory_budget"),

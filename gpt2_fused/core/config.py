@@ -105,7 +105,80 @@ class TrainConfig:
     shard: str = setting("none", '"none" (DDP), "optimizer" (AdamW state) or "full" (FSDP2)')
     seed: int = setting(1337, "seed of the init, dropout and data order")
 
+    def __post_init__(self):
+        """Every value in range, each error one line naming its key (ConfigError); the model's
+        own fields are checked by GPTConfig.__post_init__."""
+        cfg = self
+        positive = ("batch_size", "total_batch_size", "learning_rate", "val_tokens")
+        non_negative = (
+            "max_steps",
+            "warmup_steps",
+            "weight_decay",
+            "grad_clip",
+            "eval_interval",
+            "sample_interval",
+            "sample_tokens",
+            "ckpt_interval",
+            "keep_last",
+            "seed",  # the data order's generators take no negative seeds
+        )
+        for key in positive + non_negative:
+            value = getattr(cfg, key)
+            if value < 0 or (value == 0 and key in positive):
+                need = "> 0" if key in positive else ">= 0"
+                raise ConfigError(f"config key {key!r} must be {need}, got {value!r}")
+        if not 0.0 <= cfg.final_lr_frac <= 1.0:
+            raise ConfigError(
+                f"config key 'final_lr_frac' must be in [0, 1], got {cfg.final_lr_frac}"
+            )
+        if not (math.isfinite(cfg.z_loss) and cfg.z_loss >= 0):
+            raise ConfigError(
+                f"config key 'z_loss' must be a finite number >= 0, got {cfg.z_loss!r}"
+            )
+        if cfg.dtype not in ("auto", "bfloat16", "float32"):
+            raise ConfigError(f"config key 'dtype': auto, bfloat16 or float32, not {cfg.dtype!r}")
+        if not 0.0 < cfg.activation_memory_budget <= 1.0:
+            raise ConfigError(
+                "config key 'activation_memory_budget' must be in (0, 1], "
+                f"got {cfg.activation_memory_budget!r}"
+            )
+        if cfg.fp8 not in FP8_RECIPES:
+            raise ConfigError(f"config key 'fp8': one of {FP8_RECIPES}, not {cfg.fp8!r}")
+        rows = cfg.batch_size * cfg.model.block_size  # the tokens dW sums over in each FP8 GEMM
+        if cfg.fp8 != "off" and rows % 16:
+            raise ConfigError(
+                f"fp8={cfg.fp8!r}: batch_size * block_size = {rows} must be a multiple of 16 "
+                "(torch._scaled_mm's dimensions)"
+            )
+        if cfg.adamw_impl not in IMPLS:
+            raise ConfigError(f"config key 'adamw_impl': 'fast' or 'torch', not {cfg.adamw_impl!r}")
+        if cfg.activation_memory_budget < 1.0 and cfg.model.dropout > 0.0:
+            raise ConfigError(
+                "activation_memory_budget < 1 with dropout > 0: the compiled backward may "
+                "recompute dropout with a fresh mask and silently get wrong gradients (pytorch "
+                "issue #190758); use one or the other"
+            )
+        if cfg.persistent_rows < 1:
+            raise ConfigError(
+                f"config key 'persistent_rows' must be >= 1, got {cfg.persistent_rows}"
+            )
+        if cfg.buffer_reuse not in BUFFER_REUSE:
+            raise ConfigError(
+                f"config key 'buffer_reuse': one of {tuple(BUFFER_REUSE)}, not {cfg.buffer_reuse!r}"
+            )
+        if cfg.ddp_compile not in ("model", "ddp"):
+            raise ConfigError(
+                f"config key 'ddp_compile': 'model' or 'ddp', not {cfg.ddp_compile!r}"
+            )
+        if cfg.compile_mode not in COMPILE_MODES:
+            raise ConfigError(
+                f"config key 'compile_mode': one of {COMPILE_MODES}, not {cfg.compile_mode!r}"
+            )
+        if cfg.shard not in SHARD_MODES:
+            raise ConfigError(f"config key 'shard': one of {SHARD_MODES}, not {cfg.shard!r}")
 
+
+SHARD_MODES = ("none", "optimizer", "full")  # gpt2_fused/core/sharding.py's classes
 PRESET_NAME = "model"  # the key that names a preset instead of a field
 
 
@@ -219,69 +292,7 @@ def load_config(argv):
         model = replace(base, **model)
     except ValueError as e:
         raise ConfigError(f"model settings: {e}") from None
-    cfg = TrainConfig(model=model, **train)
-    _check_ranges(cfg)
-    return cfg
-
-
-def _check_ranges(cfg):
-    positive = ("batch_size", "total_batch_size", "learning_rate", "val_tokens")
-    non_negative = (
-        "max_steps",
-        "warmup_steps",
-        "weight_decay",
-        "grad_clip",
-        "eval_interval",
-        "sample_interval",
-        "sample_tokens",
-        "ckpt_interval",
-        "keep_last",
-        "seed",  # the data order's generators take no negative seeds
-    )
-    for key in positive + non_negative:
-        value = getattr(cfg, key)
-        if value < 0 or (value == 0 and key in positive):
-            need = "> 0" if key in positive else ">= 0"
-            raise ConfigError(f"config key {key!r} must be {need}, got {value!r}")
-    if not 0.0 <= cfg.final_lr_frac <= 1.0:
-        raise ConfigError(f"config key 'final_lr_frac' must be in [0, 1], got {cfg.final_lr_frac}")
-    if not (math.isfinite(cfg.z_loss) and cfg.z_loss >= 0):
-        raise ConfigError(f"config key 'z_loss' must be a finite number >= 0, got {cfg.z_loss!r}")
-    if cfg.dtype not in ("auto", "bfloat16", "float32"):
-        raise ConfigError(f"config key 'dtype': auto, bfloat16 or float32, not {cfg.dtype!r}")
-    if not 0.0 < cfg.activation_memory_budget <= 1.0:
-        raise ConfigError(
-            "config key 'activation_memory_budget' must be in (0, 1], "
-            f"got {cfg.activation_memory_budget!r}"
-        )
-    if cfg.fp8 not in FP8_RECIPES:
-        raise ConfigError(f"config key 'fp8': one of {FP8_RECIPES}, not {cfg.fp8!r}")
-    rows = cfg.batch_size * cfg.model.block_size  # the tokens dW sums over in each FP8 GEMM
-    if cfg.fp8 != "off" and rows % 16:
-        raise ConfigError(
-            f"fp8={cfg.fp8!r}: batch_size * block_size = {rows} must be a multiple of 16 "
-            "(torch._scaled_mm's dimensions)"
-        )
-    if cfg.adamw_impl not in IMPLS:
-        raise ConfigError(f"config key 'adamw_impl': 'fast' or 'torch', not {cfg.adamw_impl!r}")
-    if cfg.activation_memory_budget < 1.0 and cfg.model.dropout > 0.0:
-        raise ConfigError(
-            "activation_memory_budget < 1 with dropout > 0: the compiled backward may recompute "
-            "dropout with a fresh mask and silently get wrong gradients (pytorch issue #190758); "
-            "use one or the other"
-        )
-    if cfg.persistent_rows < 1:
-        raise ConfigError(f"config key 'persistent_rows' must be >= 1, got {cfg.persistent_rows}")
-    if cfg.buffer_reuse not in BUFFER_REUSE:
-        raise ConfigError(
-            f"config key 'buffer_reuse': one of {tuple(BUFFER_REUSE)}, not {cfg.buffer_reuse!r}"
-        )
-    if cfg.ddp_compile not in ("model", "ddp"):
-        raise ConfigError(f"config key 'ddp_compile': 'model' or 'ddp', not {cfg.ddp_compile!r}")
-    if cfg.compile_mode not in COMPILE_MODES:
-        raise ConfigError(
-            f"config key 'compile_mode': one of {COMPILE_MODES}, not {cfg.compile_mode!r}"
-        )
+    return TrainConfig(model=model, **train)  # its __post_init__ checks the values
 
 
 def grad_accum_steps(total_batch_size, batch_size, seq_len, world_size):

@@ -39,14 +39,10 @@ from torch.distributed.tensor import DTensor
 from gpt2_fused.core.config import ConfigError
 from gpt2_fused.core.optim import adamw_parts, build_optimizer, clipped_step, load_optimizer_state
 
-MODES = ("none", "optimizer", "full")
-
 
 def mode(cfg, procs):
-    """The run's sharding mode (one of the classes below, by cfg.shard); ConfigError for a
-    combination that does not run."""
-    if cfg.shard not in MODES:
-        raise ConfigError(f"config key 'shard': one of {MODES}, not {cfg.shard!r}")
+    """The run's sharding mode (one of the classes below, by cfg.shard, which TrainConfig has
+    checked); ConfigError for a combination that does not run with these processes."""
     if procs.ddp and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
         raise ConfigError(
             f"compile_mode={cfg.compile_mode!r} under torchrun: CUDA graphs with DDP's and "
