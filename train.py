@@ -47,7 +47,6 @@ from gpt2_fused.core.compile_guard import (
 from gpt2_fused.core.config import (
     ConfigError,
     TrainConfig,
-    flat,
     grad_accum_steps,
     help_text,
     load_config,
@@ -57,7 +56,7 @@ from gpt2_fused.core.errors import run_main
 from gpt2_fused.core.generate import generate
 from gpt2_fused.core.model_io import checkpoint_settings
 from gpt2_fused.core.optim import get_lr
-from gpt2_fused.core.runlog import LogError, RunLog, StepLog, StepStats, git_sha, triton_version
+from gpt2_fused.core.runlog import LogError, RunLog, StepLog, StepStats, device_name, print_start
 from gpt2_fused.core.signals import StopFlag
 from model import GPT, IMPL_KEYS
 
@@ -259,32 +258,6 @@ def compile_and_wrap(run, use_compile):
     run.train_model = wrap(run.model) if ddp else run.model
 
 
-def device_name(device):
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def print_start(run, compile_mode, globs, tokens_per_step, notes):
-    """The start-up report: enough to reproduce the run."""
-    cfg, procs, print0 = run.cfg, run.procs, run.print0
-    world_size, T = procs.world_size, cfg.model.block_size
-    print0("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in flat(cfg).items()))
-    print0(
-        f"git {git_sha()} | torch {torch.__version__} | triton {triton_version()} | "
-        f"cuda {torch.version.cuda} | {device_name(procs.device)} x {world_size} | "
-        f"{str(run.dtype).removeprefix('torch.')} | compile {compile_mode}"
-    )
-    params = run.raw_model.num_params(non_embedding=False)
-    print0(f"params {params:,} | train {globs[0]} | val {globs[1]}")
-    grad_accum = tokens_per_step // (cfg.batch_size * T * world_size)
-    print0(
-        f"tokens/step = batch_size {cfg.batch_size} x T {T} x world_size {world_size}"
-        f" x grad_accum {grad_accum} = {tokens_per_step:,}; {cfg.max_steps} steps = "
-        f"{tokens_per_step * cfg.max_steps:,} tokens"
-    )
-    for note in notes:
-        print0(note)
-
-
 def train_step(run, step, grad_accum, stop, check):
     """One optimizer step over grad_accum micro-batches; returns its StepStats (read later).
     check: compare the first micro-batch's compiled loss with eager mode's before the update
@@ -363,7 +336,7 @@ def main(argv=None, train_loader=DataLoader):
         raise ConfigError(f"config key 'device': {e}") from None
     device, rank, world_size = procs.device, procs.rank, procs.world_size
     print0 = distributed.printer(procs)
-    run_log, stop, finished = RunLog(), StopFlag(), False
+    run_log, stop, finished = RunLog(), StopFlag(announce=procs.master), False
     compile_settings = contextlib.ExitStack()  # Inductor's global settings, for this run only
     try:
         shard = sharding.mode(cfg, procs)  # a combination that does not run stops here
@@ -429,7 +402,8 @@ def main(argv=None, train_loader=DataLoader):
         peak = peak_flops(device_name(device)) if dtype == torch.bfloat16 else None
         if procs.master:
             compile_mode = cfg.compile_mode if use_compile else False
-            print_start(run, compile_mode, (train_glob, val_glob), tokens_per_step, notes)
+            globs = (train_glob, val_glob)
+            print_start(cfg, procs, raw_model, dtype, compile_mode, globs, notes)
             run_log.open(cfg, start_step, ConfigError)
         meter = dict(tokens=tokens_per_step, flops=flops_per_step, peak=peak, launched=launched)
         meter["first"] = start_step
@@ -450,8 +424,9 @@ def main(argv=None, train_loader=DataLoader):
         finished = True
     except torch.OutOfMemoryError as e:
         raise torch.OutOfMemoryError(
-            f"{e}\nHint: lower the micro-batch, e.g. --batch_size={max(1, cfg.batch_size // 2)}; "
-            f"total_batch_size stays {cfg.total_batch_size} through more gradient accumulation."
+            f"{e}\nHint: lower the micro-batch, e.g. --batch_size={max(1, cfg.batch_size // 2)} "
+            f"--total_batch_size={tokens_per_step}: the step keeps its tokens through more "
+            "gradient accumulation."
         ) from e
     finally:
         compile_settings.close()

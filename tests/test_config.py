@@ -134,8 +134,13 @@ def test_bad_config_files(tmp_path, capsys):
 def test_grad_accum_steps():
     assert grad_accum_steps(524288, 64, 1024, 8) == 1
     assert grad_accum_steps(524288, 16, 1024, 1) == 32
-    with pytest.raises(ConfigError, match=r"total_batch_size=1000 .* 4 \* 32 \* 2 = 256"):
+    with pytest.raises(ConfigError, match=r"total_batch_size=1000 .* 4 \* 32 \* 2 = 256") as e:
         grad_accum_steps(1000, 4, 32, 2)
+    assert "pass total_batch_size=768 or total_batch_size=1024" in str(e.value)
+    assert grad_accum_steps(0, 4, 32, 2) == 1  # the default: one micro-batch a process
+    with pytest.raises(ConfigError) as e:  # 2 processes with the one-process total
+        grad_accum_steps(128, 4, 32, 2)
+    assert "total_batch_size=256 or batch_size=2" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_errors_stop_main_before_training(tmp_path):

@@ -40,7 +40,7 @@ def test_ddp_matches_single_process_accumulation(tiny_args, tmp_path, options):
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
-    assert "grad_accum 1 = 256" in out and "x 2 | float32" in out
+    assert "grad_accum 1 = 256" in out and "x 2 processes | float32" in out
     assert out.count("config:") == 1  # rank 0 alone prints (and writes)
     assert "Traceback" not in out
 
@@ -56,6 +56,18 @@ def test_ddp_matches_single_process_accumulation(tiny_args, tmp_path, options):
     ref = torch.load(single / "ckpt_0000006.pt", weights_only=True)
     for k, v in ref["model"].items():
         torch.testing.assert_close(ckpt["model"][k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_default_total_batch_follows_the_world_size(tiny_args, tmp_path):
+    """total_batch_size left at its default (0): under torchrun each process takes one
+    micro-batch a step, and the header says so; no settings error."""
+    args = [a for a in tiny_args if not a.startswith("--total_batch_size")]
+    cmd = torchrun_2(*args, "--max_steps=2", "--eval_interval=0", f"--out_dir={tmp_path}")
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "x world_size 2 x grad_accum 1 = 256 (total_batch_size=0: one micro-batch" in out
+    assert sorted(read_log(tmp_path)[0]) == [0, 1]
 
 
 def test_ddp_compiled_as_one_module_matches_single_process(tiny_args, tmp_path):
@@ -99,7 +111,8 @@ def test_ddp_sigterm_to_torchrun_saves_then_resumes_on_one_process(tiny_args, tm
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # to the torchrun agent, as a scheduler would
     text = proc.communicate(timeout=120)[0]
-    assert text.count("signal 15: finishing this step") == 2, text  # both workers
+    assert text.count("signal 15: finishing this step") == 1, text  # rank 0 says it for both
+    assert text.count("saved ") == 1, text
     ckpts = checkpoint.list_checkpoints(out)
     assert len(ckpts) == 1, text
     step = torch.load(ckpts[0], weights_only=True)["step"]

@@ -52,7 +52,7 @@ class TrainConfig:
     fp8: str = setting("off", '"off", "tensorwise" or "rowwise": FP8 block GEMMs (torchao)')
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
     batch_size: int = setting(8, "micro-batch size per process (sequences)")
-    total_batch_size: int = setting(1024, "tokens per optimizer step over all processes")
+    total_batch_size: int = setting(0, "tokens a step over all processes (0: one micro-batch each)")
     max_steps: int = setting(300, "optimizer steps")
     # optimizer: AdamW; linear warmup, then cosine to learning_rate * final_lr_frac
     learning_rate: float = setting(2e-3, "peak learning rate")
@@ -109,8 +109,9 @@ class TrainConfig:
         """Every value in range, each error one line naming its key (ConfigError); the model's
         own fields are checked by GPTConfig.__post_init__."""
         cfg = self
-        positive = ("batch_size", "total_batch_size", "learning_rate", "val_tokens")
+        positive = ("batch_size", "learning_rate", "val_tokens")
         non_negative = (
+            "total_batch_size",
             "max_steps",
             "warmup_steps",
             "weight_decay",
@@ -296,10 +297,21 @@ def load_config(argv):
 
 
 def grad_accum_steps(total_batch_size, batch_size, seq_len, world_size):
+    """Micro-steps per optimizer step. total_batch_size 0 (the default) is one micro-batch per
+    process: batch_size * seq_len * world_size tokens a step, whatever the number of processes."""
     per_micro = batch_size * seq_len * world_size
-    if total_batch_size <= 0 or total_batch_size % per_micro:
+    if total_batch_size == 0:
+        return 1
+    if total_batch_size % per_micro:
+        lower = total_batch_size // per_micro * per_micro
+        fits = [f"total_batch_size={t}" for t in (lower, lower + per_micro) if t > 0]
+        rows = total_batch_size // (seq_len * world_size)  # sequences a process takes a step
+        batches = [b for b in range(min(batch_size, rows), 0, -1) if rows % b == 0][:1]
+        if total_batch_size % (seq_len * world_size) == 0 and batches:
+            fits.append(f"batch_size={batches[0]}")
         raise ConfigError(
-            f"total_batch_size={total_batch_size} must be a positive multiple of batch_size * T * "
-            f"world_size = {batch_size} * {seq_len} * {world_size} = {per_micro}"
+            f"total_batch_size={total_batch_size} must be a multiple of batch_size * T * "
+            f"world_size = {batch_size} * {seq_len} * {world_size} = {per_micro}: pass "
+            f"{' or '.join(fits)}, or total_batch_size=0 (one micro-batch a process)"
         )
     return total_batch_size // per_micro

@@ -10,7 +10,7 @@ import time
 import torch
 
 from gpt2_fused.core.checkpoint import newest_note
-from gpt2_fused.core.config import flat
+from gpt2_fused.core.config import flat, grad_accum_steps
 
 
 class StepStats:
@@ -182,6 +182,38 @@ class RunLog:
                     raise
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def device_name(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def print_start(cfg, procs, model, dtype, compile_mode, globs, notes):
+    """The start-up report, enough to reproduce the run: the config, versions, the device (a
+    CPU's threads), the data and the tokens-per-step arithmetic; rank 0 calls it."""
+    print0, world_size, T = print, procs.world_size, cfg.model.block_size
+    print0("config:\n" + "\n".join(f"  {k} = {v!r}" for k, v in flat(cfg).items()))
+    where = f"{device_name(procs.device)} x {world_size}"
+    if procs.device.type == "cpu":
+        where = f"cpu, {torch.get_num_threads()} threads" + (
+            f" x {world_size} processes" if world_size > 1 else ""
+        )
+    print0(
+        f"git {git_sha()} | torch {torch.__version__} | triton {triton_version()} | "
+        f"cuda {torch.version.cuda} | {where} | {str(dtype).removeprefix('torch.')} | "
+        f"compile {compile_mode}"
+    )
+    print0(f"params {model.num_params(non_embedding=False):,} | train {globs[0]} | val {globs[1]}")
+    grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
+    tokens = cfg.batch_size * T * world_size * grad_accum
+    derived = " (total_batch_size=0: one micro-batch a process)" if not cfg.total_batch_size else ""
+    print0(
+        f"tokens/step = batch_size {cfg.batch_size} x T {T} x world_size {world_size}"
+        f" x grad_accum {grad_accum} = {tokens:,}{derived}; {cfg.max_steps} steps = "
+        f"{tokens * cfg.max_steps:,} tokens"
+    )
+    for note in notes:
+        print0(note)
 
 
 def triton_version():

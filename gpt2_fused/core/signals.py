@@ -13,7 +13,8 @@ class StopFlag:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, announce=True):
+        self.announce = announce  # print the message (rank 0 under torchrun: one line, not W)
         self.requested = False
         self.seen = set()
         self.old = {}
@@ -34,6 +35,8 @@ class StopFlag:
         self.requested = True
         self.seen.add(signum)
         msg = f"signal {signum}: finishing this step, saving a checkpoint, exiting\n"
+        if not self.announce:
+            return
         try:  # os.write, not print: the handler may have interrupted a print (not re-entrant)
             os.write(sys.stdout.fileno(), msg.encode())
         except OSError:  # a closed stdout: the stop goes on without the message
