@@ -179,6 +179,9 @@ def test_ctrl_c_saves_and_exits_zero_then_resumes(tiny_args, tmp_path):
     step = torch.load(ckpts[0], weights_only=True)["step"]
     losses, _ = read_log(out)
     assert max(losses) == step - 1  # the step in flight finished and was saved
+    # as README says: at most two step lines after the signal's (they are printed a step late)
+    after = text.split("signal 2: finishing this step")[1]
+    assert len([line for line in after.splitlines() if "| loss " in line]) <= 2, text
     train.main(args + [f"--max_steps={step + 2}", "--resume"])
     losses, _ = read_log(out)
     assert sorted(losses) == list(range(step + 2))
