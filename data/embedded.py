@@ -4,10 +4,12 @@ The shards go to data/cache/embedded-<hash>/ (or $GPT2_FUSED_CACHE/embedded-<has
 covers the text files and the pipeline version, so edited text never reuses stale shards. Several
 processes (e.g. DDP ranks) may prepare at once: each works in its own temporary folder and renames
 it into place; the first rename wins and the others discard their identical copies. A folder under
-the final name is therefore complete.
+the final name is therefore complete when written; its manifest.json (each shard's SHA-256) finds
+one damaged later (a truncated or overwritten shard), which is then set aside and rebuilt.
 """
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -19,6 +21,7 @@ EMBEDDED_DIR = Path(__file__).resolve().parent / "embedded"
 TRAIN_FILE = EMBEDDED_DIR / "wiki_train.txt.xz"
 VAL_FILE = EMBEDDED_DIR / "wiki_val.txt.xz"
 PIPELINE_VERSION = "1"  # bump when the tokenisation or shard layout changes
+MANIFEST = "manifest.json"  # {shard file name: SHA-256}, written with the shards
 
 
 def embedded_dir(cache_dir=None):
@@ -36,7 +39,16 @@ def prepare_embedded(cache_dir=None, workers=1):
     # workers=1: ~2 s in-process, as fast as a pool here (2 cores) and no fork inside a trainer.
     final = embedded_dir(cache_dir)
     if final.is_dir():
-        return final
+        damage = _damage(final)
+        if damage is None:
+            return final
+        print(f"the embedded dataset's cache is damaged or old ({damage}): rebuilding {final}")
+        aside = final.with_name(f".{final.name}.damaged.{os.getpid()}")
+        try:
+            os.rename(final, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        except OSError:  # another process set it aside first
+            pass
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp.", dir=final.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any other folder
@@ -50,6 +62,8 @@ def prepare_embedded(cache_dir=None, workers=1):
             workers=workers,
             progress=False,
         )
+        digests = {f.name: _sha256(f) for f in sorted(tmp.glob("*.bin"))}
+        (tmp / MANIFEST).write_text(json.dumps(digests, indent=1) + "\n")
         try:
             os.rename(tmp, final)
         except OSError:
@@ -59,3 +73,23 @@ def prepare_embedded(cache_dir=None, workers=1):
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _sha256(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _damage(folder):
+    """None if every shard in folder's manifest is there with its SHA-256 (1.9M tokens: a few ms),
+    else what is wrong, naming the file."""
+    try:
+        want = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"{folder / MANIFEST} missing or unreadable"
+    for name, digest in want.items():
+        try:
+            if _sha256(folder / name) != digest:
+                return f"{folder / name} differs from its manifest"
+        except OSError:
+            return f"{folder / name} missing"
+    return None if want else f"{folder / MANIFEST} lists no shard"

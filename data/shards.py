@@ -24,7 +24,18 @@ class DataError(ValueError):
 
 
 class ShardError(DataError):
-    """A shard file that is not a valid llm.c token shard; the message names the file."""
+    """A shard file that is not a valid llm.c token shard; the message names the file and how to
+    rebuild it."""
+
+    def __init__(self, problem):
+        super().__init__(f"{problem}; {REBUILD}")
+
+
+# data/embedded.py rebuilds its own cache; other shards come from one of these commands
+REBUILD = (
+    "rebuild it with the command that prepared it (python -m data.fineweb, python -m "
+    "data.tinystories, or python -m data.fineweb --from-text ...)"
+)
 
 
 def write_shard(path, tokens):

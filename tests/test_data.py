@@ -713,6 +713,38 @@ def test_embedded_dataset(tmp_path, monkeypatch):
     assert resolve_dataset("embedded") == (train, val)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "overwritten", "no manifest"])
+def test_embedded_cache_heals_itself(tmp_path, monkeypatch, capsys, damage):
+    """A damaged embedded cache (a shard cut short or changed in place, or a folder without its
+    manifest) is found at the next use, said in one line naming it, set aside and rebuilt."""
+    monkeypatch.setattr(data.embedded, "CACHE_DIR", tmp_path)
+    folder = data.embedded.prepare_embedded()
+    shard = folder / "embedded_val_000000.bin"
+    good = shard.read_bytes()
+    if damage == "truncated":
+        shard.write_bytes(good[: len(good) // 2])
+    elif damage == "overwritten":
+        shard.write_bytes(good[:2000] + bytes(100) + good[2100:])  # same size, header intact
+    else:
+        (folder / data.embedded.MANIFEST).unlink()
+    capsys.readouterr()
+    assert data.embedded.prepare_embedded() == folder
+    said = [line for line in capsys.readouterr().out.splitlines() if "damaged" in line]
+    assert len(said) == 1 and str(folder) in said[0]
+    assert shard.read_bytes() == good
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # nothing left aside
+
+
+def test_a_damaged_shard_names_the_command_that_rebuilds_it(tmp_path):
+    path = tmp_path / "fineweb_train_000001.bin"
+    write_shard(path, np.array([EOT, 1, 2, 3]))
+    path.write_bytes(path.read_bytes()[:-2])
+    with pytest.raises(ShardError) as e:
+        read_shard(path)
+    msg = str(e.value)
+    assert str(path) in msg and "python -m data.fineweb" in msg and "\n" not in msg
+
+
 def test_embedded_concurrent_prepare_loses_rename_race(tmp_path, monkeypatch):
     monkeypatch.setattr(data.embedded, "CACHE_DIR", tmp_path)
     final = data.embedded.embedded_dir()
