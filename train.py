@@ -12,7 +12,6 @@ go to out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest one.
 
 import contextlib
 import functools
-import glob
 import os
 import sys
 import time
@@ -22,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import hellaswag, resolve_dataset
-from data.loader import DataLoader, iter_val_batches
-from data.shards import DataError, read_shard
+from data import hellaswag
+from data.loader import DataLoader, iter_val_batches, open_data
+from data.shards import DataError
 from data.tokenizer import EOT, get_tokenizer
 from gpt2_fused.core import distributed, fp8, plot, sharding
 from gpt2_fused.core.checkpoint import (
@@ -100,33 +99,6 @@ class Run:
 
 def every(step, interval):
     return interval > 0 and step % interval == 0
-
-
-def open_data(cfg, train_loader, procs):
-    """(train_loader(...), train_glob, val_glob) for cfg.dataset; a problem with the data raises
-    DataError naming the file. Checked here: every shard's header, the token ids of the val
-    shards and of the train shard read first (the loader checks each other one when it opens
-    it), and that a step fits in each shard. One process per node goes first: "embedded" is
-    prepared on first use."""
-    B, T, rank, world_size = cfg.batch_size, cfg.model.block_size, procs.rank, procs.world_size
-    try:
-        if procs.local_rank == 0:
-            train_glob, val_glob = resolve_dataset(cfg.dataset)
-        if procs.ddp:
-            dist.barrier()
-        if procs.local_rank != 0:
-            train_glob, val_glob = resolve_dataset(cfg.dataset)
-        order = dict(shuffle=cfg.shuffle, seed=cfg.seed)
-        loader = train_loader(train_glob, B, T, rank, world_size, device=procs.device, **order)
-        for path in sorted(glob.glob(val_glob)):
-            read_shard(path)
-        val = iter_val_batches(val_glob, B, T, rank, world_size, cfg.val_tokens, procs.device)
-        next(val)
-    except DataError:
-        raise
-    except (FileNotFoundError, ValueError) as e:  # resolve_dataset's and the loader's name the file
-        raise DataError(str(e)) from e
-    return loader, train_glob, val_glob
 
 
 def resume(run, path, ckpt, notes):

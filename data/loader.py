@@ -24,9 +24,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from numpy.lib.stride_tricks import as_strided
 
-from data.shards import read_header, read_shard
+from data import resolve_dataset
+from data.shards import DataError, read_header, read_shard
 
 VAL_TOKENS = 10_485_760  # 10 * 2**20, the llm.c / modded-nanogpt validation budget
 
@@ -248,3 +250,31 @@ def iter_val_batches(pattern, B, T, rank=0, world_size=1, max_tokens=VAL_TOKENS,
             first = s * B * world_size + rank * B  # this rank's B consecutive windows
             yield transfer(windows[first : first + B])
         steps_left -= min(steps, steps_left)
+
+
+def open_data(cfg, train_loader, procs):
+    """(train_loader(...), train_glob, val_glob) for a run's cfg (a TrainConfig) on procs (its
+    processes, gpt2_fused/core/distributed.py); a problem with the data raises
+    DataError naming the file. Checked here: every shard's header, the token ids of the val
+    shards and of the train shard read first (the loader checks each other one when it opens
+    it), and that a step fits in each shard. One process per node goes first: "embedded" is
+    prepared on first use."""
+    B, T, rank, world_size = cfg.batch_size, cfg.model.block_size, procs.rank, procs.world_size
+    try:
+        if procs.local_rank == 0:
+            train_glob, val_glob = resolve_dataset(cfg.dataset)
+        if procs.ddp:
+            dist.barrier()
+        if procs.local_rank != 0:
+            train_glob, val_glob = resolve_dataset(cfg.dataset)
+        order = dict(shuffle=cfg.shuffle, seed=cfg.seed)
+        loader = train_loader(train_glob, B, T, rank, world_size, device=procs.device, **order)
+        for path in sorted(glob.glob(val_glob)):
+            read_shard(path)
+        val = iter_val_batches(val_glob, B, T, rank, world_size, cfg.val_tokens, procs.device)
+        next(val)
+    except DataError:
+        raise
+    except (FileNotFoundError, ValueError) as e:  # resolve_dataset's and the loader's name the file
+        raise DataError(str(e)) from e
+    return loader, train_glob, val_glob
