@@ -1,7 +1,7 @@
 """The optimizer step's cost against its memory floor: is torch's fused AdamW the next lever?
 
-    python bench/bench_adamw.py [--preset 1558M] [--reps 10]
-    TRITON_INTERPRET=1 python bench/bench_adamw.py --preset 124M --layers 1   # CPU: the check only
+    python -m bench.bench_adamw [--preset 1558M] [--reps 10]
+    TRITON_INTERPRET=1 python -m bench.bench_adamw --preset 124M --layers 1   # CPU: the check only
 
 A 1558M step profile spent 17.1 ms in torch's fused AdamW and 4.6 ms in grad-norm clipping,
 about twice what their bytes need at the H200's 4.8 TB/s (bench/RESULTS.md#adamw). This times, on
@@ -27,17 +27,15 @@ gpt2_fused/kernels/adamw.py.
 """
 
 import argparse
-import os
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gpt2_fused.core import optim  # noqa: E402
-from gpt2_fused.kernels.adamw import MultiTensorAdamW  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from gpt2_fused.core import optim
+from gpt2_fused.kernels.adamw import MultiTensorAdamW
+from model import GPT, GPTConfig
 
 PRESETS = ("124M", "350M", "774M", "1558M")
 LR, BETAS, EPS, WD, MAX_NORM = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0

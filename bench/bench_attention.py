@@ -1,6 +1,6 @@
 """Causal attention at the training shapes: each scaled_dot_product_attention backend, same run.
 
-    python bench/bench_attention.py [--shapes 124M:32,1558M:16] [--repeats 5] [--branch]
+    python -m bench.bench_attention [--shapes 124M:32,1558M:16] [--repeats 5] [--branch]
 
 For each GPT-2 shape (B, nh, T = 1024, hs = 64, bf16, is_causal) and each backend that accepts
 it (torch's own pick, cuDNN, flash, mem-efficient): forward and forward + backward in ms (CUDA
@@ -17,9 +17,7 @@ against gpt2_fused/kernels/attention.py's op (model attn_impl="fast") compiled. 
 """
 
 import argparse
-import os
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +106,6 @@ def measure(name, batch, repeats):
 
 def branch(name, batch, repeats):
     """Rows (shape, case, ms) of the --branch timings."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from gpt2_fused.kernels import attention
 
     n_head, C = SHAPES[name]

@@ -1,6 +1,6 @@
 """Bias-gradient column sums (gpt2_fused/kernels/colsum.py) against torch, at GPT-2's shapes.
 
-    python bench/bench_colsum.py [--repeats 7]
+    python -m bench.bench_colsum [--repeats 7]
 
 GPU ms per call and TB/s of the bytes a pass must move, for qkv_grad (three (M, C) parts read,
 their concatenation written) against torch.cat alone and the compiled cat + sum, and colsum of an
@@ -13,16 +13,11 @@ checked against torch (the concatenation bit for bit). Prints a table last.
 
 import argparse
 import itertools
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gemv import graph_us  # noqa: E402
-
-from gpt2_fused.kernels import colsum  # noqa: E402
+from bench.bench_gemv import graph_us
+from gpt2_fused.kernels import colsum
 
 SHAPES = {"124M:32": (32768, 768), "1558M:16": (16384, 1600)}
 VARIANTS = [

@@ -1,7 +1,7 @@
 """Data pipeline throughput: prepare (tokenisation) and loader, in tokens per second.
 
-    python bench/bench_data.py                      # embedded Wikipedia text
-    python bench/bench_data.py --input /work/shared/data/wikipedia_en/train_00.txt.xz --workers 1 2
+    python -m bench.bench_data                      # embedded Wikipedia text
+    python -m bench.bench_data --input /work/shared/data/wikipedia_en/train_00.txt.xz --workers 1 2
 
 prepare: `python -m data.fineweb --from-text INPUT` end to end (interpreter start, read +
 decompress, [EOT] + encode_ordinary in a process pool, pack into shards, write), per worker count;
@@ -25,14 +25,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from data.embedded import TRAIN_FILE
+from data.loader import DataLoader
+from data.prepare import iter_file_docs
+from data.shards import write_shard
+from data.tokenizer import get_tokenizer
 
-from data.embedded import TRAIN_FILE  # noqa: E402
-from data.loader import DataLoader  # noqa: E402
-from data.prepare import iter_file_docs  # noqa: E402
-from data.shards import write_shard  # noqa: E402
-from data.tokenizer import get_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench_prepare(path, workers, tmp):

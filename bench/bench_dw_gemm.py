@@ -2,8 +2,8 @@
 accumulator, as fused_loss does, against a Triton GEMM that keeps dw as a pair of bf16 halves (a
 variant measured and dropped: bench/RESULTS.md#fused-loss).
 
-    python bench/bench_dw_gemm.py [--repeats 3] [--configs all]
-    TRITON_INTERPRET=1 python bench/bench_dw_gemm.py --check      # the kernel against float64
+    python -m bench.bench_dw_gemm [--repeats 3] [--configs all]
+    TRITON_INTERPRET=1 python -m bench.bench_dw_gemm --check      # the kernel against float64
 
 Why: with a bf16 weight the fused loss holds dw in an fp32 accumulator (V, D) across chunks, and
 that accumulator takes most of the memory allowance (147 MiB of 320 at 124M, 307 of 320 at 1558M),
@@ -24,20 +24,15 @@ allows (what a call would run), each scaled to the call's N rows (ms a chunk x c
 """
 
 import argparse
-import os
 import statistics
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_exp_gemm import events  # noqa: E402
-
-from fused_loss import linear_cross_entropy as fl  # noqa: E402
-from gpt2_fused.kernels.interpreter import to_dtype  # noqa: E402
+from bench.bench_exp_gemm import events
+from fused_loss import linear_cross_entropy as fl
+from gpt2_fused.kernels.interpreter import to_dtype
 
 V = 50304
 SHAPES = {"124M": (32768, 768), "1558M": (16384, 1600)}

@@ -1,6 +1,6 @@
 """The logits GEMM with E in its epilogue (fused_loss/exp_gemm.py) against cuBLAS + the row pass.
 
-    python bench/bench_exp_gemm.py [--repeats 3] [--configs all] [--e2e]
+    python -m bench.bench_exp_gemm [--repeats 3] [--configs all] [--e2e]
 
 Part 1, one chunk (GPU ms, CUDA events around 20 launches, medians over --repeats interleaved
 rounds): the cuBLAS logits GEMM alone (algorithm chosen by timing), that GEMM + _exp_rows_kernel
@@ -17,24 +17,20 @@ the reference, at the 124M and 1558M shapes, fp32 master weight under autocast, 
 
 import argparse
 import contextlib
-import os
 import statistics
-import sys
 from unittest import mock
 
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fused_loss import SHAPES, FwdBwd, make_inputs, master_weight, timed  # noqa: E402
-
-from fused_loss import (  # noqa: E402
+from bench.bench_fused_loss import SHAPES, FwdBwd, make_inputs, master_weight, timed
+from fused_loss import (
     exp_gemm,
     fused_linear_cross_entropy,
     linear_cross_entropy_reference,
-    triton_kernels,  # noqa: E402
+    triton_kernels,
 )
-from fused_loss import linear_cross_entropy as fl  # noqa: E402  (bench_fused_loss set the path)
+from fused_loss import linear_cross_entropy as fl
 
 # (BM, BN, BK, num_warps, num_stages) of exp_gemm.LAUNCH["cuda"]: its own, then other tiles
 CONFIGS = {

@@ -1,6 +1,6 @@
 """FP8 variants of GPT-2's training forward+backward against bf16, compiled, on one GPU.
 
-    python bench/bench_fp8.py [--preset gpt2-xl] [--n_layer 6] [--batch 16]
+    python -m bench.bench_fp8 [--preset gpt2-xl] [--n_layer 6] [--batch 16]
         [--variants bf16,plain,tensorwise,...] [--steps 15] [--profile tensorwise,bf16]
         [--out DIR]
 
@@ -30,10 +30,10 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from gpt2_fused.core.fp8 import BLOCK_LINEARS
 
-from gpt2_fused.core.fp8 import BLOCK_LINEARS  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 # name -> how to build it. recipe: torchao's float8 recipe (None: no FP8); linears: which of
 # each block's Linears to convert; auto: torchao's size filter on top; fast_accum: the backward

@@ -1,6 +1,6 @@
 """Linear + cross-entropy fwd+bwd: our kernel vs torch eager, torch.compile, Liger and CCE.
 
-    python bench/bench_fused_loss.py [--shapes 124M,1558M,256k] [--out DIR] [--variants]
+    python -m bench.bench_fused_loss [--shapes 124M,1558M,256k] [--out DIR] [--variants]
         [--methods torch.compile,ours] [--set per_sm=3,single_read=False] [--repeats 5]
 
 For each shape: x (N, D) ~ N(0, 1) bf16, w (V, D) bf16 with logits of std ~2, targets uniform over
@@ -25,15 +25,13 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fused_loss.linear_cross_entropy as fl  # noqa: E402
-from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
-from gpt2_fused.core import model_io  # noqa: E402
+import fused_loss.linear_cross_entropy as fl
+from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
+from gpt2_fused.core import model_io
 
 SHAPES = {"124M": (32768, 768, 50304), "1558M": (16384, 1600, 50304), "256k": (8192, 2304, 256000)}
 MiB = 2**20

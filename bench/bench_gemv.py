@@ -1,7 +1,7 @@
 """The batch-1 decoding GEMV with the weights coming from HBM, as in a real decoding step.
 
-    python bench/bench_gemv.py [--sizes 124M,1558M] [--layers 48]
-    TRITON_INTERPRET=1 python bench/bench_gemv.py --quick      # CPU: the baseline kernel's check
+    python -m bench.bench_gemv [--sizes 124M,1558M] [--layers 48]
+    TRITON_INTERPRET=1 python -m bench.bench_gemv --quick      # CPU: the baseline kernel's check
 
 Each call reads the next of `--layers` copies of the weight (1558M: 48 x 20 MB, far beyond the
 H200's L2), inside one CUDA graph, as a decoding step does (one weight replayed would sit in L2).
@@ -21,18 +21,14 @@ error, next to cuBLAS's own). Prints a table last.
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-
-from gpt2_fused.kernels import gemv  # noqa: E402
-from gpt2_fused.kernels.interpreter import to_dtype  # noqa: E402
+from gpt2_fused.kernels import gemv
+from gpt2_fused.kernels.interpreter import to_dtype
 
 SHAPES = {  # (N, K, GELU, what model.Block fuses into it) of a block's four linear layers
     "124M": [(2304, 768, False, "ln"), (768, 768, False, "residual"), (3072, 768, True, "ln"),

@@ -1,6 +1,6 @@
 """The cost of fused_linear_cross_entropy's options (softcap, z_loss, bias, label smoothing).
 
-    python bench/bench_loss_options.py [--shapes 124M,1558M] [--repeats 5] [--reps 10]
+    python -m bench.bench_loss_options [--shapes 124M,1558M] [--repeats 5] [--reps 10]
         [--cases default,softcap+z_loss,...] [--out DIR]
 
 At each shape (bench_fused_loss.py's inputs), in the trainer's case (fp32 master weight under
@@ -17,15 +17,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fused_loss import SHAPES, make_inputs, timed  # noqa: E402
-
-from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
+from bench.bench_fused_loss import SHAPES, make_inputs, timed
+from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
 
 CASES = {
     "default": {},

@@ -1,6 +1,6 @@
 """GPT-2's MLP, fwd+bwd: torch (eager, compiled) against the cuBLASLt-epilogue op, on the GPU.
 
-    python bench/bench_mlp.py [--shapes 124M,1558M] [--reps 10]
+    python -m bench.bench_mlp [--shapes 124M,1558M] [--reps 10]
 
 For each shape (tokens M, width D; F = 4 D) with fp32 master weights and bf16 activations, as
 train.py runs it: the errors of the output, dx, dW/db of c_fc and c_proj against an fp64
@@ -13,15 +13,11 @@ import argparse
 import functools
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_fused_loss import timed  # noqa: E402
-
-from gpt2_fused.kernels.mlp import mlp_cublaslt, mlp_reference  # noqa: E402
+from bench.bench_fused_loss import timed
+from gpt2_fused.kernels.mlp import mlp_cublaslt, mlp_reference
 
 SHAPES = {"124M": (32768, 768), "1558M": (16384, 1600)}
 

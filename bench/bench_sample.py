@@ -1,7 +1,7 @@
 """Generation speed: the static KV cache's decode modes against the old decoding, in the same run.
 
-    python bench/bench_sample.py             # GPU: GPT-2 124M and 1558M, batch 1 and 16, bf16
-    python bench/bench_sample.py --quick     # seconds on CPU with a tiny model: checks the script
+    python -m bench.bench_sample             # GPU: GPT-2 124M and 1558M, batch 1 and 16, bf16
+    python -m bench.bench_sample --quick     # seconds on CPU with a tiny model: checks the script
 
 --modes (default old,graph,compile):
     old        the KV cache that GPT.generate had before the static one (issue 29), kept here as
@@ -25,7 +25,6 @@ import argparse
 import json
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,11 +32,9 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.attention import sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-
-from gpt2_fused.core import generate  # noqa: E402
-from gpt2_fused.core.device import pick_device, resolve_dtype  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from gpt2_fused.core import generate
+from gpt2_fused.core.device import pick_device, resolve_dtype
+from model import GPT, GPTConfig
 
 TEMPERATURE, TOP_K = 0.8, 200
 

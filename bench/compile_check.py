@@ -1,6 +1,6 @@
 """Does a compiled training step compute what eager mode computes? One batch, one model, variants.
 
-    python bench/compile_check.py [--preset 1558M] [--batch 16] [--layers 48]
+    python -m bench.compile_check [--preset 1558M] [--batch 16] [--layers 48]
         [--variants eager:flash,compiled,compiled:torch,compiled:separate,compiled:flash]
 
 Written for a 1558M run whose compiled first loss was 11.1171 against eager mode's 11.1460
@@ -29,14 +29,13 @@ import argparse
 import ast
 import contextlib
 import os
-import sys
 import time
 
 import torch
 
+from model import GPT, GPTConfig
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from model import GPT, GPTConfig  # noqa: E402
 
 
 def parse_variant(text):

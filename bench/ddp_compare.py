@@ -1,6 +1,6 @@
 """Compare the logs of bench/ddp_h200.sh: loss curves and throughput.
 
-python bench/ddp_compare.py LOGDIR   (reads one.jsonl, multi.jsonl, resume.jsonl)
+python -m bench.ddp_compare LOGDIR   (reads one.jsonl, multi.jsonl, resume.jsonl)
 """
 
 import json

@@ -36,7 +36,7 @@ fi
 rm -rf out/ddp/multi out/ddp/resume
 "${TR[@]}" train.py "${ARGS[@]}" --ckpt_interval=0 --out_dir=out/ddp/multi > "$LOG/multi.log" 2>&1
 cp out/ddp/multi/log.jsonl "$LOG/multi.jsonl"
-if [ "${RESUME:-1}" = 0 ]; then python bench/ddp_compare.py "$LOG"; exit 0; fi
+if [ "${RESUME:-1}" = 0 ]; then python -m bench.ddp_compare "$LOG"; exit 0; fi
 "${TR[@]}" train.py "${ARGS[@]}" --ckpt_interval=10 --out_dir=out/ddp/resume \
     > "$LOG/resume_a.log" 2>&1 &
 pid=$!
@@ -51,4 +51,4 @@ echo "killed after: $(grep -c '"loss"' out/ddp/resume/log.jsonl) logged steps; c
 "${TR[@]}" train.py "${ARGS[@]}" --ckpt_interval=10 --out_dir=out/ddp/resume --resume \
     > "$LOG/resume_b.log" 2>&1
 cp out/ddp/resume/log.jsonl "$LOG/resume.jsonl"
-python bench/ddp_compare.py "$LOG"
+python -m bench.ddp_compare "$LOG"

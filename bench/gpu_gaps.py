@@ -1,6 +1,6 @@
 """Where a fwd+bwd's wall time goes beyond its kernels: the GPU timeline of one call.
 
-    python bench/gpu_gaps.py [--variants two_reads,extra640] [--out DIR]
+    python -m bench.gpu_gaps [--variants two_reads,extra640] [--out DIR]
 
 At the 124M classifier shape (bench_fused_loss's inputs) it profiles one fwd+bwd of ours (and of
 each named variant of bench_fused_loss.VARIANTS) and of torch.compile, and reports: host time of
@@ -15,14 +15,12 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fused_loss import SHAPES, FwdBwd, make_inputs, methods, variant  # noqa: E402
+from bench.bench_fused_loss import SHAPES, FwdBwd, make_inputs, methods, variant
 
 GPU_CATS = ("kernel", "gpu_memset", "gpu_memcpy")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")

@@ -35,7 +35,7 @@ for pair in "${RUNS_LARGE:-1558M:16:16:6} ${REPEATS_LARGE:-1}" "${RUNS:-124M:32:
     read -r runs repeats <<<"$pair"
     [ -z "$runs" ] && continue
     left=$((${BUDGET:-570} - ($(date +%s) - start)))
-    $py bench/throughput.py --runs "$runs" --impls "${IMPLS:-default,plain}" --repeats "$repeats" \
+    $py -m bench.throughput --runs "$runs" --impls "${IMPLS:-default,plain}" --repeats "$repeats" \
         --time-budget "$((left > 1 ? left : 1))" \
         --out "out/gpu_gate/${runs%%:*}" 2>&1 | tee -a "$out/gate_throughput.txt"
     rc=${PIPESTATUS[0]}

@@ -1,6 +1,6 @@
 """What is alive at the peak of one fused-loss fwd+bwd: the allocations behind the peak memory.
 
-    python bench/memory_peak.py [--shapes 124M,1558M] [--master]
+    python -m bench.memory_peak [--shapes 124M,1558M] [--master]
 
 For each shape (bench_fused_loss's inputs; --master: an fp32 weight under bf16 autocast, as the
 trainer runs it) it runs one fwd+bwd to warm up (compilation, cuBLAS workspaces), then records
@@ -12,14 +12,11 @@ before the warm-up call, so it also holds what that call kept (workspaces); this
 
 import argparse
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fused_loss import SHAPES, FwdBwd, MiB, make_inputs, master_weight  # noqa: E402
-
-from fused_loss import fused_linear_cross_entropy  # noqa: E402  (bench_fused_loss set the path)
+from bench.bench_fused_loss import SHAPES, FwdBwd, MiB, make_inputs, master_weight
+from fused_loss import fused_linear_cross_entropy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,6 +1,6 @@
 """Training quality of train.py's data order against an independent sampler: val loss curves.
 
-    python bench/parity.py DATASET [--model 124M] [--steps 500,1000] [--out out/parity] \
+    python -m bench.parity DATASET [--model 124M] [--steps 500,1000] [--out out/parity] \
         [-- more train.py flags]
 
 For each max_steps in --steps (each with its own warmup and cosine schedule) the same recipe and
@@ -35,9 +35,9 @@ import time
 import numpy as np
 import torch
 
+from data.shards import read_shard
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from data.shards import read_shard  # noqa: E402
 
 SAMPLERS = ("loader", "random")
 

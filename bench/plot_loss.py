@@ -1,7 +1,7 @@
 """Plot train and val loss from train.py's JSONL log(s) into a PNG.
 
-    python bench/plot_loss.py out/log.jsonl                       # -> out/loss.png
-    python bench/plot_loss.py out/a/log.jsonl out/b/log.jsonl -o compare.png
+    python -m bench.plot_loss out/log.jsonl                       # -> out/loss.png
+    python -m bench.plot_loss out/a/log.jsonl out/b/log.jsonl -o compare.png
 
 Needs matplotlib (pip install matplotlib); training does not, and writes out_dir/loss.png itself
 when it is installed (gpt2_fused/core/plot.py draws both). A log that a resumed run appended to
@@ -12,8 +12,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpt2_fused.core.plot import plot_logs  # noqa: E402
+from gpt2_fused.core.plot import plot_logs
 
 
 def main(argv=None):

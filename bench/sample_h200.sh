@@ -18,7 +18,7 @@ $py -m pytest -q -p no:cacheprovider tests/test_generate.py tests/test_sample.py
     tests/test_model.py 2>&1 | tee "$O/tests.log"
 tests=${PIPESTATUS[0]}
 echo "tests done at $(( $(date +%s) - t0 )) s (rc $tests)"
-$py bench/bench_sample.py --log "$O/bench_sample.log" 2>&1 | tee "$O/bench.log"
+$py -m bench.bench_sample --log "$O/bench_sample.log" 2>&1 | tee "$O/bench.log"
 bench=${PIPESTATUS[0]}
 echo "bench done at $(( $(date +%s) - t0 )) s (rc $bench)"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

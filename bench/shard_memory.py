@@ -1,6 +1,6 @@
 """Per-rank memory of --shard's modes at W ranks, from the engines' own partitions (issue 31).
 
-    python bench/shard_memory.py [--model gpt2-xl] [--world 8] [--peak-gib 58.96] [--batch 16]
+    python -m bench.shard_memory [--model gpt2-xl] [--world 8] [--peak-gib 58.96] [--batch 16]
         [--batches 16,8,4]
 
 No GPU: the model is built on the meta device and split by torch's ZeroRedundancyOptimizer and
@@ -18,8 +18,6 @@ FSDP2's 194,710,800 (N / 8), and the table of GiB per rank there.
 """
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -28,8 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig
 
 GIB = 2**30
 

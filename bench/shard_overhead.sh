@@ -22,7 +22,7 @@ out=${1:-${OUT:-out/shard_overhead}}
 py=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-$py bench/throughput.py --torchrun --runs "${RUNS:-124M:32:30:10}" --impls default \
+$py -m bench.throughput --torchrun --runs "${RUNS:-124M:32:30:10}" --impls default \
     --repeats "${REPEATS:-1}" --out "$out" --train-args= --train-args="--shard='optimizer'" \
     --train-args="--adamw_impl='torch'" --train-args="--shard='full' --adamw_impl='torch'" \
     2>&1 | tee "$out/shard_overhead.txt"

@@ -1,7 +1,7 @@
 """Training throughput of the real train.py on random tokens: the default configuration against
 the plain one, or other loss implementations and train.py arguments.
 
-    python bench/throughput.py [--runs 124M:32,124M:64,350M:32,1558M:16:20:8]
+    python -m bench.throughput [--runs 124M:32,124M:64,350M:32,1558M:16:20:8]
         [--impls default,plain] [--repeats 3] [--steps 30] [--warmup 10] [--out DIR]
         [--profile 124M:32] [--max-batch auto] [--time-budget 400]
         [--train-args= --train-args="--compile_mode='reduce-overhead'" ...] [--torchrun]
@@ -43,10 +43,10 @@ import time
 
 import numpy as np
 
+from data.prepare import CACHE_DIR
+from data.shards import write_shard
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from data.prepare import CACHE_DIR  # noqa: E402
-from data.shards import write_shard  # noqa: E402
 
 PRESETS = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
 PLAIN = ["--loss_impl='torch'", "--mlp_impl='torch'", "--attn_impl='torch'", "--adamw_impl='torch'"]

@@ -3,20 +3,12 @@ bench_fused_loss's --set parsing, bench_adamw's Triton AdamW against torch's (in
 interpreter, see conftest.py), and parity.py's reference sampler."""
 
 import json
-import os
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "bench"))
-import bench_adamw  # noqa: E402
-import bench_dw_gemm  # noqa: E402
-import bench_fused_loss  # noqa: E402
-import numpy as np  # noqa: E402
-import parity  # noqa: E402
-import pytest  # noqa: E402
-import shard_memory  # noqa: E402
-import throughput  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import pytest
+import torch
+
+from bench import bench_adamw, bench_dw_gemm, bench_fused_loss, parity, shard_memory, throughput
 
 
 def run(model, batch, loss_first, rc=0, impl="default"):

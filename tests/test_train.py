@@ -383,13 +383,13 @@ def test_oom_error_suggests_a_smaller_micro_batch(tiny_args, tmp_path, monkeypat
 
 def test_plot_loss(tiny_args, tmp_path, capsys):
     """A finished run says where its loss curve is: out_dir/loss.png, drawn when matplotlib is
-    installed, else the bench/plot_loss.py command; that script draws the same log."""
+    installed, else the `python -m bench.plot_loss` command; that script draws the same log."""
     out = tmp_path / "out"
     train.main(tiny_args + [f"--out_dir={out}", "--max_steps=4", "--eval_interval=2"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     png = tmp_path / "loss.png"
     res = subprocess.run(
-        [sys.executable, "bench/plot_loss.py", str(out / "log.jsonl"), "-o", str(png)],
+        [sys.executable, "-m", "bench.plot_loss", str(out / "log.jsonl"), "-o", str(png)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -397,7 +397,7 @@ def test_plot_loss(tiny_args, tmp_path, capsys):
     )
     if not LOSS_PNG:
         assert res.returncode != 0 and "pip install matplotlib" in res.stderr
-        cmd = f"python bench/plot_loss.py {out / 'log.jsonl'} (pip install matplotlib)"
+        cmd = f"python -m bench.plot_loss {out / 'log.jsonl'} (pip install matplotlib)"
         assert last == f"loss curve: {cmd}"
         return
     assert last == f"loss curve: {out / 'loss.png'}"
@@ -412,7 +412,7 @@ def test_loss_curve_without_matplotlib_names_the_command(tmp_path, monkeypatch):
 
     (tmp_path / "log.jsonl").write_text('{"step": 0, "loss": 6.0}\n')
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # its import now fails
-    cmd = f"python bench/plot_loss.py {tmp_path / 'log.jsonl'} (pip install matplotlib)"
+    cmd = f"python -m bench.plot_loss {tmp_path / 'log.jsonl'} (pip install matplotlib)"
     assert plot.loss_curve(str(tmp_path)) == f"loss curve: {cmd}"
     assert not (tmp_path / "loss.png").exists()
 

@@ -1,5 +1,5 @@
 """Loss curves from train.py's out_dir/log.jsonl: the PNG a finished run writes when matplotlib is
-installed (pip install matplotlib, or the `plot` extra), and bench/plot_loss.py's plots."""
+installed (pip install matplotlib, or the `plot` extra), and python -m bench.plot_loss's plots."""
 
 import json
 import os
@@ -59,7 +59,7 @@ def loss_curve(out_dir):
     try:
         plot_logs([log], png)
     except ImportError:
-        return f"loss curve: python bench/plot_loss.py {log} (pip install matplotlib)"
+        return f"loss curve: python -m bench.plot_loss {log} (pip install matplotlib)"
     except (OSError, ValueError) as e:  # the run itself is done: a curve it cannot draw is a note
-        return f"loss curve: not drawn ({e}); python bench/plot_loss.py {log}"
+        return f"loss curve: not drawn ({e}); python -m bench.plot_loss {log}"
     return f"loss curve: {png}"
