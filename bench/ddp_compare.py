@@ -8,11 +8,13 @@ import os
 import statistics
 import sys
 
+from gpt2_fused.core.runlog import read_jsonl
+
 
 def steps(path):
     if not os.path.exists(path):
         return {}
-    recs = [json.loads(line) for line in open(path)]
+    recs = read_jsonl(path)
     return {r["step"]: r for r in recs if "loss" in r}
 
 

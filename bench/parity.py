@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from data.shards import read_shard
+from gpt2_fused.core.runlog import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,8 +120,7 @@ def run(name, cmd, out_dir, every):
 
 def read_run(out_dir):
     """({step: val_loss}, median tok/s after the first 10 steps) from out_dir/log.jsonl."""
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
+    recs = read_jsonl(os.path.join(out_dir, "log.jsonl"))
     val = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
     rates = [r["tok_per_s"] for r in recs if "tok_per_s" in r and r["step"] >= 10]
     return val, statistics.median(rates) if rates else None

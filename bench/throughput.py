@@ -45,6 +45,7 @@ import numpy as np
 
 from data.prepare import CACHE_DIR
 from data.shards import write_shard
+from gpt2_fused.core.runlog import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -161,7 +162,7 @@ def oom_detail(out):
 
 
 def step_stats(log_path, warmup):
-    recs = [json.loads(line) for line in open(log_path)]
+    recs = read_jsonl(log_path)
     steps = [r for r in recs if "ms" in r and r["step"] >= warmup]
     ms = statistics.median(r["ms"] for r in steps)
     mfu = statistics.median(r["mfu"] for r in steps) if steps[0].get("mfu") else None

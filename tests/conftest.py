@@ -1,7 +1,6 @@
 """Shared fixtures: a tiny token dataset and the settings of a tiny, fast training run."""
 
 import importlib.util
-import json
 import os
 
 import numpy as np
@@ -14,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from data.shards import write_shard  # noqa: E402
+from gpt2_fused.core.runlog import read_jsonl
 
 # what a finished run adds to its out_dir beside checkpoints and log.jsonl (with matplotlib only)
 LOSS_PNG = ["loss.png"] if importlib.util.find_spec("matplotlib") else []
@@ -75,10 +75,8 @@ def tiny_args(tiny_data):
 def read_log(out_dir):
     """(train loss by step, val loss by step) from out_dir/log.jsonl; a step logged twice fails."""
     losses, vals = {}, {}
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        for line in f:
-            rec = json.loads(line)
-            d = vals if "val_loss" in rec else losses
-            assert rec["step"] not in d, f"step {rec['step']} was logged twice"
-            d[rec["step"]] = rec.get("val_loss", rec.get("loss"))
+    for rec in read_jsonl(os.path.join(out_dir, "log.jsonl")):
+        d = vals if "val_loss" in rec else losses
+        assert rec["step"] not in d, f"step {rec['step']} was logged twice"
+        d[rec["step"]] = rec.get("val_loss", rec.get("loss"))
     return losses, vals

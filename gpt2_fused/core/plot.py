@@ -1,26 +1,20 @@
 """Loss curves from train.py's out_dir/log.jsonl: the PNG a finished run writes when matplotlib is
 installed (pip install matplotlib, or the `plot` extra), and python -m bench.plot_loss's plots."""
 
-import json
 import os
+
+from gpt2_fused.core.runlog import read_jsonl
 
 
 def read_log(path):
     """(train {step: loss}, val {step: val_loss}) from one log.jsonl; a log that a resumed run
     appended to may hold a step twice: the last record of each step wins."""
     train, val = {}, {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
-            if "val_loss" in rec:
-                val[rec["step"]] = rec["val_loss"]
-            elif "loss" in rec:
-                train[rec["step"]] = rec["loss"]
+    for rec in read_jsonl(path):
+        if "val_loss" in rec:
+            val[rec["step"]] = rec["val_loss"]
+        elif "loss" in rec:
+            train[rec["step"]] = rec["loss"]
     return train, val
 
 

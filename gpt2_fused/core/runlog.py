@@ -121,12 +121,25 @@ class StepLog:
         return stop > 0
 
 
+def read_jsonl(path):
+    """The records of a JSON-lines file (out_dir/log.jsonl), blank lines skipped; a line that is
+    not JSON is a ValueError naming path:line."""
+    recs = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    recs.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
+    return recs
+
+
 def trim_log(path, step):
     """Drop the records a run resumed at `step` writes again (train steps >= step, val > step)."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
+    recs = read_jsonl(path)
     keep = [r for r in recs if r["step"] < step or ("val_loss" in r and r["step"] == step)]
     with open(path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in keep)
