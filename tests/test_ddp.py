@@ -123,6 +123,28 @@ def test_ddp_sigterm_to_torchrun_saves_then_resumes_on_one_process(tiny_args, tm
     assert sorted(losses) == list(range(step + 2))
 
 
+def test_ddp_ctrl_c_saves_once_and_only_torchrun_complains(tiny_args, tmp_path):
+    """Ctrl-C in a terminal: SIGINT to torchrun's whole process group. The workers finish their
+    step and rank 0 saves once; no worker prints a traceback. torchrun itself then raises its
+    SignalException (its own handler: README says so)."""
+    out = tmp_path / "out"
+    args = tiny_args + [f"--out_dir={out}", "--eval_interval=0", "--ckpt_interval=0"]
+    proc = subprocess.Popen(
+        torchrun_2(*args, "--max_steps=100000"), cwd=REPO, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    log = out / "log.jsonl"
+    t0 = time.time()
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.time() - t0 < 120, proc.communicate()[0]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    text = proc.communicate(timeout=120)[0]
+    assert text.count("saved ") == 1 and len(checkpoint.list_checkpoints(out)) == 1, text
+    assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text, text
+    assert text.count("Traceback") <= 1 and ("Traceback" not in text or "SignalException" in text)
+
+
 LOADER_RANKS = """
 import sys
 import torch
