@@ -375,7 +375,7 @@ def main(argv=None, train_loader=DataLoader):
         if procs.master:
             compile_mode = cfg.compile_mode if use_compile else False
             globs = (train_glob, val_glob)
-            print_start(cfg, procs, raw_model, dtype, compile_mode, globs, notes)
+            print_start(cfg, procs, raw_model, dtype, compile_mode, grad_accum, globs, notes)
             run_log.open(cfg, start_step, ConfigError)
         meter = dict(tokens=tokens_per_step, flops=flops_per_step, peak=peak, launched=launched)
         meter["first"] = start_step

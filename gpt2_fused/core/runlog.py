@@ -10,7 +10,7 @@ import time
 import torch
 
 from gpt2_fused.core.checkpoint import newest_note
-from gpt2_fused.core.config import flat, grad_accum_steps
+from gpt2_fused.core.config import flat
 
 
 class StepStats:
@@ -201,7 +201,7 @@ def device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def print_start(cfg, procs, model, dtype, compile_mode, globs, notes):
+def print_start(cfg, procs, model, dtype, compile_mode, grad_accum, globs, notes):
     """The start-up report, enough to reproduce the run: the config, versions, the device (a
     CPU's threads), the data and the tokens-per-step arithmetic; rank 0 calls it."""
     print0, world_size, T = print, procs.world_size, cfg.model.block_size
@@ -217,7 +217,6 @@ def print_start(cfg, procs, model, dtype, compile_mode, globs, notes):
         f"compile {compile_mode}"
     )
     print0(f"params {model.num_params(non_embedding=False):,} | train {globs[0]} | val {globs[1]}")
-    grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
     tokens = cfg.batch_size * T * world_size * grad_accum
     derived = " (total_batch_size=0: one micro-batch a process)" if not cfg.total_batch_size else ""
     print0(

@@ -36,6 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+from gpt2_fused.core.compile_guard import uses_cuda_graphs
 from gpt2_fused.core.config import ConfigError
 from gpt2_fused.core.optim import adamw_parts, build_optimizer, clipped_step, load_optimizer_state
 
@@ -43,7 +44,7 @@ from gpt2_fused.core.optim import adamw_parts, build_optimizer, clipped_step, lo
 def mode(cfg, procs):
     """The run's sharding mode (one of the classes below, by cfg.shard, which TrainConfig has
     checked); ConfigError for a combination that does not run with these processes."""
-    if procs.ddp and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
+    if procs.ddp and uses_cuda_graphs(cfg.compile_mode):
         raise ConfigError(
             f"compile_mode={cfg.compile_mode!r} under torchrun: CUDA graphs with DDP's and "
             "FSDP2's gradient buckets are not supported here; pass --compile_mode=default"
