@@ -1,4 +1,29 @@
 """Benchmarks and measurement scripts, run from the repo root as `python -m bench.<name>`
-(`python -m bench.throughput --help`); they import the repo's packages as users do. Their results
-go to bench/RESULTS.md.
+(`python -m bench.throughput --help`); they import the repo's packages as users do, and what
+several share from bench.common, never from one another. Their results go to bench/RESULTS.md.
+
+    throughput          training tok/s of the real train.py, default against plain (the gate's)
+    parity              train.py's data order against an independent sampler: val loss curves
+    compile_check       a compiled training step against eager mode, per compile variant
+    bench_fused_loss    the fused linear + cross-entropy against torch, torch.compile, Liger, CCE
+    bench_loss_options  the cost of the fused loss's options (softcap, z_loss, bias, smoothing)
+    bench_exp_gemm      the logits GEMM with exp in its epilogue against cuBLAS + the row pass
+    bench_dw_gemm       dw's accumulation over the fused loss's chunks with bf16 weights
+    gpu_gaps            the GPU timeline of one fused-loss fwd+bwd: where the wall time goes
+    memory_peak         the allocations alive at the peak of one fused-loss fwd+bwd
+    bench_mlp           GPT-2's MLP: torch (eager, compiled) against the cuBLASLt-epilogue op
+    bench_attention     causal attention per SDPA backend; --branch: the attention op against torch
+    bench_colsum        the bias-gradient column sums against torch
+    bench_gemv          the batch-1 decoding GEMV with its weights from HBM
+    bench_adamw         the optimizer step against its memory floor
+    bench_fp8           FP8 variants of the training fwd+bwd against bf16
+    bench_sample        generation speed of the decode modes
+    bench_data          data preparation and loader throughput
+    shard_memory        per-rank memory of --shard's modes at W ranks
+    ddp_compare         compares the logs of bench/ddp_h200.sh
+    plot_loss           train and val loss of train.py's log(s) as a PNG
+    common              (no command) shapes, inputs, loss methods and timers the others share
+
+The shell scripts (gpu_gate.sh, e2e_h200.sh, ddp_h200.sh, quality_pair.sh, sample_h200.sh,
+shard_overhead.sh) run these on a GPU host: `bash bench/<script>.sh`.
 """

@@ -16,8 +16,9 @@ import itertools
 
 import torch
 
-from bench.bench_gemv import graph_us
+from bench.common import graph_us
 from gpt2_fused.kernels import colsum
+from gpt2_fused.kernels.device import launch_overrides
 
 SHAPES = {"124M:32": (32768, 768), "1558M:16": (16384, 1600)}
 VARIANTS = [
@@ -27,7 +28,7 @@ VARIANTS = [
 
 
 def graph_ms(fn, repeats, calls=20):
-    """ms a call of fn, from a CUDA graph of `calls` calls (bench_gemv's timer; median of
+    """ms a call of fn, from a CUDA graph of `calls` calls (common.graph_us; median of
     `repeats` replays)."""
     return graph_us(lambda i: fn(), range(calls), repeats) / 1e3
 
@@ -46,21 +47,19 @@ def measure(shape, M, C, repeats, cat_sum, col):
         ("(M, 4C) sum, compiled", lambda: col(dh), dh_bytes, ""),
     ]
     rows = [(shape, name, *_timed(fn, nbytes, repeats), flag) for name, fn, nbytes, flag in cases]
-    saved = dict(colsum.LAUNCH["cuda"])
-    for v in [saved] + VARIANTS:
-        colsum.LAUNCH["cuda"].update(v)
+    default = dict(colsum.LAUNCH["cuda"])
+    for v in [default] + VARIANTS:
         name = " ".join(f"{k}={val}" for k, val in v.items())
-        name += " (LAUNCH)" if v is saved else ""
-        cat, sums = colsum.qkv_grad(*parts)
-        ok = torch.equal(cat, want_cat) and (sums.double() - want_q).abs().max() < 1e-2
-        ok = ok and (colsum.colsum(dh).double() - want_c).abs().max() < 1e-2
-        flag = "" if ok else "WRONG"
-        t = _timed(lambda: colsum.qkv_grad(*parts), qkv_bytes, repeats)
-        rows.append((shape, f"qkv_grad {name}", *t, flag))
-        rows.append(
-            (shape, f"colsum {name}", *_timed(lambda: colsum.colsum(dh), dh_bytes, repeats), flag)
-        )
-        colsum.LAUNCH["cuda"].update(saved)
+        name += " (LAUNCH)" if v is default else ""
+        with launch_overrides(colsum.LAUNCH["cuda"], **v):
+            cat, sums = colsum.qkv_grad(*parts)
+            ok = torch.equal(cat, want_cat) and (sums.double() - want_q).abs().max() < 1e-2
+            ok = ok and (colsum.colsum(dh).double() - want_c).abs().max() < 1e-2
+            flag = "" if ok else "WRONG"
+            t = _timed(lambda: colsum.qkv_grad(*parts), qkv_bytes, repeats)
+            rows.append((shape, f"qkv_grad {name}", *t, flag))
+            t = _timed(lambda: colsum.colsum(dh), dh_bytes, repeats)
+            rows.append((shape, f"colsum {name}", *t, flag))
     return rows
 
 

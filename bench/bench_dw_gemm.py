@@ -30,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.bench_exp_gemm import events
+from bench.common import events
 from fused_loss import linear_cross_entropy as fl
+from gpt2_fused.kernels.device import num_sms
 from gpt2_fused.kernels.interpreter import to_dtype
 
 V = 50304
@@ -106,11 +107,7 @@ def dw_hilo(e, xs, hi, lo, first, last, config=None):
     e_desc = TensorDescriptor(e, list(e.shape), list(e.stride()), [BK, BM])
     xs_desc = TensorDescriptor(xs, list(xs.shape), list(xs.stride()), [BK, BN])
     tiles = triton.cdiv(Vc, BM) * triton.cdiv(D, BN)
-    programs = (
-        min(tiles, torch.cuda.get_device_properties(e.device).multi_processor_count)
-        if cuda
-        else tiles
-    )
+    programs = min(tiles, num_sms(e.device.index)) if cuda else tiles
     _dw_hilo_kernel[(programs,)](
         e_desc, xs_desc, hi, lo, n, Vc, D, FIRST=first, LAST=last, BM=BM, BN=BN, BK=BK,
         PROGRAMS=programs, INTERPRETED=not cuda, num_warps=warps, num_stages=stages,

@@ -10,20 +10,18 @@ tile configuration of CONFIGS (exp_gemm.LAUNCH's first), at the chunk shapes of 
 weights (1725 rows). Also each configuration's error of G = f E against
 exp_gemm.exp_logits_reference's fp32 math.
 Part 2 (--e2e): fwd+bwd of fused_linear_cross_entropy with exp_gemm and with the cuBLAS logits
-GEMM + _exp_rows_kernel (exp_gemm.applies patched off, as before Hopper), and torch.compile of
+GEMM + _exp_rows_kernel (fl.launch_settings(exp_gemm=False), as before Hopper), and torch.compile of
 the reference, at the 124M and 1558M shapes, fp32 master weight under autocast, interleaved
 --repeats times; GPU ms with the host's latency hidden.
 """
 
 import argparse
-import contextlib
 import statistics
-from unittest import mock
 
 import torch
 import triton
 
-from bench.bench_fused_loss import SHAPES, FwdBwd, make_inputs, master_weight, timed
+from bench.common import LOSS_SHAPES, FwdBwd, events, make_inputs, master_weight, timed
 from fused_loss import (
     exp_gemm,
     fused_linear_cross_entropy,
@@ -31,6 +29,7 @@ from fused_loss import (
     triton_kernels,
 )
 from fused_loss import linear_cross_entropy as fl
+from gpt2_fused.kernels.device import launch_overrides, num_sms
 
 # (BM, BN, BK, num_warps, num_stages) of exp_gemm.LAUNCH["cuda"]: its own, then other tiles
 CONFIGS = {
@@ -42,22 +41,11 @@ CHUNKS = {"124M master (6554 rows)": (6554, 768), "1558M master (3277 rows)": (3
 V, VOCAB = 50304, 50257
 
 
-def events(fn, n=20):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(20_000_000)
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / n
-
-
-def set_config(name):
+def config(name):
+    """exp_gemm.LAUNCH["cuda"] with CONFIGS[name]'s tiles and launch, for the block."""
     BM, BN, BK, warps, stages = CONFIGS[name]
-    exp_gemm.LAUNCH["cuda"].update(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+    cfg = dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+    return launch_overrides(exp_gemm.LAUNCH["cuda"], **cfg)
 
 
 def one_hot_out(e, f, h, y):
@@ -80,7 +68,7 @@ def chunk_cases(n, D, configs):
     f, h = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
     cfg = fl.LAUNCH["cuda"]
     options = fl.row_kernel_options(cfg, cuda=True)
-    programs = fl._num_sms(0) * cfg["per_sm"]
+    programs = num_sms(0) * cfg["per_sm"]
 
     def cublas():
         fl._gemm(buf, x, w.t())
@@ -97,13 +85,13 @@ def chunk_cases(n, D, configs):
 
     def epilogue(name):
         def run():
-            set_config(name)
-            state = exp_gemm.scratch(n, V, x.device)
-            exp_gemm.start(x, w, y, buf, state, vocab_size=VOCAB, ignore_index=-100)
-            exp_gemm.finish(
-                buf, y, gw, state, losses, f, h, vocab_size=VOCAB, ignore_index=-100,
-                g_per_row=False, want_grad=True,
-            )  # fmt: skip
+            with config(name):
+                state = exp_gemm.scratch(n, V, x.device)
+                exp_gemm.start(x, w, y, buf, state, vocab_size=VOCAB, ignore_index=-100)
+                exp_gemm.finish(
+                    buf, y, gw, state, losses, f, h, vocab_size=VOCAB, ignore_index=-100,
+                    g_per_row=False, want_grad=True,
+                )  # fmt: skip
 
         return run
 
@@ -136,7 +124,6 @@ def main():
     ap.add_argument("--e2e", action="store_true")
     args = ap.parse_args()
     configs = list(CONFIGS) if args.configs == "all" else args.configs.split(";")
-    saved = dict(exp_gemm.LAUNCH["cuda"])
     print(f"triton {triton.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     for label, (n, D) in CHUNKS.items():
         cases, errors, flop = chunk_cases(n, D, configs)
@@ -155,12 +142,11 @@ def main():
         for k, err in errors.items():
             if isinstance(err, str):
                 print(f"| {k} | failed: {err} | | | |")
-    exp_gemm.LAUNCH["cuda"].update(saved)
     if not args.e2e:
         return
     compiled = torch.compile(linear_cross_entropy_reference)
     for shape in ("124M", "1558M"):
-        x, w, t = make_inputs(*SHAPES[shape])
+        x, w, t = make_inputs(*LOSS_SHAPES[shape])
         t = t.clamp(max=VOCAB - 1)
         w32 = w.float()
 
@@ -175,8 +161,7 @@ def main():
         times = {k: [] for k in runs}
         for _ in range(args.repeats):
             for k, (run, epilogue) in runs.items():
-                off = mock.patch.object(exp_gemm, "applies", lambda x, w: False)
-                with off if not epilogue else contextlib.nullcontext():
+                with fl.launch_settings(exp_gemm=epilogue):  # False: as before Hopper
                     times[k].append(timed(run, 10, hide_host=True))
         print(f"\n{shape}, fp32 master w under autocast: fwd+bwd GPU ms per repeat")
         print("| case | GPU ms |")

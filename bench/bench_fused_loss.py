@@ -21,7 +21,6 @@ Liger and CCE are optional: if they do not import, their rows say so.
 """
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -30,20 +29,19 @@ import time
 import torch
 
 import fused_loss.linear_cross_entropy as fl
-from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
+from bench.common import (
+    LOSS_SHAPES,
+    VARIANTS,
+    FwdBwd,
+    MiB,
+    make_inputs,
+    master_weight,
+    methods,
+    timed,
+    variant,
+)
+from fused_loss import fused_linear_cross_entropy
 from gpt2_fused.core import model_io
-
-SHAPES = {"124M": (32768, 768, 50304), "1558M": (16384, 1600, 50304), "256k": (8192, 2304, 256000)}
-MiB = 2**20
-
-
-def make_inputs(N, D, V, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(N, D, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(V, D, device="cuda", generator=g) * (2.0 / D**0.5)).bfloat16()
-    t = torch.randint(0, V, (N,), device="cuda", generator=g)
-    t[torch.rand(N, device="cuda", generator=g) < 0.05] = -100
-    return x, w, t
 
 
 def real_inputs(ckpt, tokens, N):
@@ -75,66 +73,6 @@ def fp32_reference(x, w, t):
 
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def methods():
-    out = {
-        "torch eager": linear_cross_entropy_reference,
-        "torch.compile": torch.compile(linear_cross_entropy_reference),
-        "ours": fused_linear_cross_entropy,
-    }
-    try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import (
-            LigerFusedLinearCrossEntropyLoss,
-        )
-
-        liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
-        out["liger"] = lambda x, w, t: liger(w, x, t)
-    except Exception as e:  # not installed: report, don't fail
-        out["liger"] = repr(e)
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-
-        out["cce"] = lambda x, w, t: linear_cross_entropy(x, w, t, ignore_index=-100)
-    except Exception as e:
-        out["cce"] = repr(e)
-    return out
-
-
-def timed(fn, reps, warmup=2, hide_host=False):
-    """Median ms of fn between CUDA events, synchronising after each call, so a call's host
-    latency before its first kernel counts. hide_host: queue ~10 ms of GPU sleep first, so the
-    host has queued the call's kernels before the start event fires: GPU time alone."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if hide_host:
-            torch.cuda._sleep(20_000_000)  # cycles: ~10 ms at the H200's ~2 GHz
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
-class FwdBwd:
-    """One fwd+bwd of fn(x, w, t) per call, on leaf copies .x, .w, with fresh gradients each
-    call (as every script here times it); clear() drops the last call's gradients."""
-
-    def __init__(self, fn, x, w, t):
-        self.fn, self.t = fn, t
-        self.x, self.w = x.detach().requires_grad_(), w.detach().requires_grad_()
-
-    def clear(self):
-        self.x.grad = self.w.grad = None
-
-    def __call__(self):
-        self.clear()
-        self.fn(self.x, self.w, self.t).backward()
 
 
 def prepare(fn, x, w, t, ref):
@@ -264,40 +202,6 @@ def kernel_breakdown(x, w, t, vocab):
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][0])[:12])
 
 
-# Variants of ours, timed at the 124M shape: memory budget (chunk size) and the row kernels'
-# launch (overrides of fl.EXTRA_BYTES and fl.LAUNCH["cuda"]).
-VARIANTS = {
-    "w16_sm2": dict(row=dict(per_sm=2, num_warps=16)),
-    "single_read": dict(row=dict(single_read=True)),
-    "two_reads": dict(row=dict(single_read=False)),
-    "extra640": dict(extra=640 * MiB),
-    # the trainer's case: fp32 master weight under autocast (at 124M 5 chunks of 6554 rows)
-    "master_two_reads": dict(row=dict(single_read=False), master=True),
-}
-
-
-@contextlib.contextmanager
-def configured(extra=None, **row):
-    """fl.LAUNCH["cuda"] with these entries (and fl.EXTRA_BYTES = extra), restored after."""
-    saved_cfg, saved_extra = dict(fl.LAUNCH["cuda"]), fl.EXTRA_BYTES
-    try:
-        fl.LAUNCH["cuda"].update(row)
-        fl.EXTRA_BYTES = saved_extra if extra is None else extra
-        yield
-    finally:
-        fl.LAUNCH["cuda"].clear()
-        fl.LAUNCH["cuda"].update(saved_cfg)
-        fl.EXTRA_BYTES = saved_extra
-
-
-@contextlib.contextmanager
-def variant(name):
-    """The settings of VARIANTS[name], restored after; yields the variant."""
-    v = VARIANTS[name]
-    with configured(v.get("extra"), **v.get("row", {})):
-        yield v
-
-
 def run_variant(name, x, w, t, ref, reps):
     with variant(name) as v:
         if v.get("master"):
@@ -324,16 +228,6 @@ def parse_set(text, config):
     return out
 
 
-def master_weight(fn):
-    """fn run as the trainer runs it: an fp32 weight under bf16 autocast (x is bf16 already)."""
-
-    def run(x, w, t):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            return fn(x, w, t)
-
-    return run
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="124M,1558M,256k")
@@ -356,7 +250,12 @@ def main():
     args = ap.parse_args()
     if args.repeats < 1:
         raise SystemExit("--repeats: at least 1")
-    fl.LAUNCH["cuda"].update(parse_set(args.set, fl.LAUNCH["cuda"]))
+    with fl.launch_settings(**parse_set(args.set, fl.LAUNCH["cuda"])):
+        run(args)
+
+
+def run(args):
+    """The whole benchmark of main()'s arguments, under their --set launch."""
     props = torch.cuda.get_device_properties(0)
     import triton
 
@@ -389,7 +288,7 @@ def main():
 
     for shape in shapes:
         if shape == "124M-real":
-            x, w, t, vocab = real_inputs(args.checkpoint, args.tokens, SHAPES["124M"][0])
+            x, w, t, vocab = real_inputs(args.checkpoint, args.tokens, LOSS_SHAPES["124M"][0])
             N, D, V = x.shape[0], x.shape[1], w.shape[0]
             p = torch.softmax((x[:4096].float() @ w[:vocab].float().T), dim=-1)
             record(
@@ -402,7 +301,7 @@ def main():
             )
             del p
         else:
-            N, D, V = SHAPES[shape]
+            N, D, V = LOSS_SHAPES[shape]
             x, w, t = make_inputs(N, D, V)
         ref = fp32_reference(x, w, t)
         grads_mib = (x.numel() + w.numel()) * 2 / MiB

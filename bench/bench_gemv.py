@@ -20,14 +20,15 @@ error, next to cuBLAS's own). Prints a table last.
 """
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from bench.common import graph_us
 from gpt2_fused.kernels import gemv
+from gpt2_fused.kernels.device import num_sms
 from gpt2_fused.kernels.interpreter import to_dtype
 
 SHAPES = {  # (N, K, GELU, what model.Block fuses into it) of a block's four linear layers
@@ -84,7 +85,7 @@ def gemv_variant(x, w, b, gelu, elements=gemv.ELEMENTS, num_warps=gemv.NUM_WARPS
     n, k = w.shape
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     KP = triton.next_power_of_2(k)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = num_sms(x.device.index)
     block = max(1, elements // KP)
     while block > 1 and triton.cdiv(n, block) < 2 * sms:
         block //= 2
@@ -99,26 +100,6 @@ def gemv_variant(x, w, b, gelu, elements=gemv.ELEMENTS, num_warps=gemv.NUM_WARPS
 def cublas(x, w, b, gelu):
     y = F.linear(x, w, b)
     return F.gelu(y, approximate="tanh") if gelu else y
-
-
-def graph_us(fn, copies, repeats=5):
-    """µs per call of fn(i) for i over the weight copies, in one CUDA graph; median of rounds."""
-    for i in range(len(copies)):
-        fn(i)  # compile the Triton kernels and warm cuBLAS before the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(len(copies)):
-            fn(i)
-    rounds = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        rounds.append(start.elapsed_time(end) * 1e3 / len(copies))
-    return statistics.median(rounds)
 
 
 def quick():

@@ -3,10 +3,10 @@
     python -m bench.bench_loss_options [--shapes 124M,1558M] [--repeats 5] [--reps 10]
         [--cases default,softcap+z_loss,...] [--out DIR]
 
-At each shape (bench_fused_loss.py's inputs), in the trainer's case (fp32 master weight under
+At each shape (bench.common's inputs), in the trainer's case (fp32 master weight under
 bf16 autocast) and with bf16 weights: fwd+bwd time of ours with each case of options against
 ours with none, and against torch.compile of the torch reference with the same options, the
-cases interleaved `repeats` times (each repeat: median of `reps` calls, bench_fused_loss.timed).
+cases interleaved `repeats` times (each repeat: median of `reps` calls, common.timed).
 Prints one table: medians over the repeats, wall (host latency included) and GPU time, the
 ratio to ours without options, and the loss's relative error against an fp32 reference.
 `--cases default` runs on any version of the code (the same-run check that the default path's
@@ -20,7 +20,7 @@ import statistics
 
 import torch
 
-from bench.bench_fused_loss import SHAPES, make_inputs, timed
+from bench.common import LOSS_SHAPES, make_inputs, timed
 from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
 
 CASES = {
@@ -71,7 +71,7 @@ def main():
     compiled = torch.compile(linear_cross_entropy_reference)
     rows = []
     for shape in args.shapes.split(","):
-        N, D, V = SHAPES[shape]
+        N, D, V = LOSS_SHAPES[shape]
         x, w, t = make_inputs(N, D, V)
         t = t.clamp(max=50256)
         b = torch.randn(V, device="cuda") * 0.1

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from bench.bench_fused_loss import timed
+from bench.common import timed
 from gpt2_fused.kernels.mlp import mlp_cublaslt, mlp_reference
 
 SHAPES = {"124M": (32768, 768), "1558M": (16384, 1600)}

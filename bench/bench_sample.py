@@ -129,7 +129,7 @@ def measure(model, idx, new_tokens, mode):
         torch.cuda.reset_peak_memory_stats(device)
     out, sec, first = timed_call(model, idx, new_tokens, mode, seed=1)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    generate._DECODERS.pop(model, None)  # free this mode's cache before the next one
+    generate.release(model)  # free this mode's cache before the next one
     return {
         "batch": idx.size(0),
         "mode": mode,

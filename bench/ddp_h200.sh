@@ -7,7 +7,8 @@
 # 1. one GPU with NGPU-fold more gradient accumulation (the reference; skipped with skip-one when it
 #    ran already), 2. NGPU GPUs through torchrun: same data order, so the loss curves must agree,
 #    3. an NGPU run with checkpoints every 10 steps killed (SIGKILL) after step 15, then resumed:
-#    it must continue the curve of run 2 (RESUME=0 skips it). Then bench/ddp_compare.py compares them.
+#    it must continue the curve of run 2 (RESUME=0 skips it). Then `python -m bench.ddp_compare`
+#    compares them.
 # Rehearsal on CPU (gloo, ~50 s on 2 cores): MODEL_ARGS="--n_layer=2 --n_head=2
 #   --n_embd=64 --block_size=64 --device=cpu" T=64 B=4 NGPU=2 bash bench/ddp_h200.sh /tmp/ddp
 set -uo pipefail
@@ -20,8 +21,7 @@ STEPS=${STEPS:-30}
 read -r -a MODEL <<< "${MODEL_ARGS:---model=gpt2}"
 mkdir -p "$LOG" out/ddp
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python -c "import sys; sys.path.insert(0, 'bench'); import throughput as t
-t.random_dataset('data/cache/random', 1 << 24)"
+python -c "from bench import throughput as t; t.random_dataset('data/cache/random', 1 << 24)"
 ARGS=("${MODEL[@]}" --dataset=data/cache/random --batch_size="$B"
       --total_batch_size="$TOTAL" --max_steps="$STEPS" --warmup_steps=5 --eval_interval=0
       --val_tokens=$((NGPU * B * T)) --sample_interval=0 --keep_last=2)

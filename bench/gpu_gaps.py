@@ -2,8 +2,8 @@
 
     python -m bench.gpu_gaps [--variants two_reads,extra640] [--out DIR]
 
-At the 124M classifier shape (bench_fused_loss's inputs) it profiles one fwd+bwd of ours (and of
-each named variant of bench_fused_loss.VARIANTS) and of torch.compile, and reports: host time of
+At the 124M classifier shape (bench.common's inputs) it profiles one fwd+bwd of ours (and of
+each named variant of bench.common.VARIANTS) and of torch.compile, and reports: host time of
 the call, time from the call's start to its first kernel, the GPU span (first kernel start to
 last kernel end), the summed kernel time, and the idle gaps between consecutive kernels, split
 into gaps where the next kernel's launch call returned only after the previous kernel had
@@ -20,7 +20,7 @@ import tempfile
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.bench_fused_loss import SHAPES, FwdBwd, make_inputs, methods, variant
+from bench.common import LOSS_SHAPES, FwdBwd, make_inputs, methods, variant
 
 GPU_CATS = ("kernel", "gpu_memset", "gpu_memcpy")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
@@ -87,7 +87,7 @@ def main():
     ap.add_argument("--variants", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    x, w, t = make_inputs(*SHAPES["124M"])
+    x, w, t = make_inputs(*LOSS_SHAPES["124M"])
     meths = methods()
     rows = {}
 

@@ -2,7 +2,7 @@
 
     python -m bench.memory_peak [--shapes 124M,1558M] [--master]
 
-For each shape (bench_fused_loss's inputs; --master: an fp32 weight under bf16 autocast, as the
+For each shape (bench.common's inputs; --master: an fp32 weight under bf16 autocast, as the
 trainer runs it) it runs one fwd+bwd to warm up (compilation, cuBLAS workspaces), then records
 the CUDA caching allocator's events for a second one (torch.cuda.memory._record_memory_history)
 and replays them: the bytes allocated since the start, their maximum, and the allocations alive
@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from bench.bench_fused_loss import SHAPES, FwdBwd, MiB, make_inputs, master_weight
+from bench.common import LOSS_SHAPES, FwdBwd, MiB, make_inputs, master_weight
 from fused_loss import fused_linear_cross_entropy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,8 +44,8 @@ def live_at_peak(events):
 
 
 def report(name, master):
-    """Print what is alive at the peak of one fwd+bwd at SHAPES[name]."""
-    N, D, V = SHAPES[name]
+    """Print what is alive at the peak of one fwd+bwd at LOSS_SHAPES[name]."""
+    N, D, V = LOSS_SHAPES[name]
     x, w, t = make_inputs(N, D, V)
     fn = master_weight(fused_linear_cross_entropy) if master else fused_linear_cross_entropy
     fwd_bwd = FwdBwd(fn, x, w.float() if master else w, t)

@@ -29,8 +29,7 @@ $py -m bench.throughput --torchrun --runs "${RUNS:-124M:32:30:10}" --impls defau
 rc=${PIPESTATUS[0]}
 $py - "$out/throughput.json" <<'EOF' | tee -a "$out/shard_overhead.txt"
 import json, sys
-sys.path.insert(0, "bench")
-import throughput
+from bench import throughput  # a script on stdin has the working directory (the root) on sys.path
 
 runs = json.load(open(sys.argv[1]))["runs"]
 modes = {  # train args -> (name, the DDP run it is compared with)

@@ -117,8 +117,11 @@ def train_args(model, batch, impl, steps, dataset, out_dir):
 
 def run_child(args, profile=False, timeout=900, torchrun=False):
     t0 = time.time()
+    # `python -c` puts the working directory (cwd=ROOT below) first on sys.path: the child
+    # imports train and the packages from the repo root as `python -m bench.throughput` does
     cmd, env = [sys.executable, "-c", CHILD], None
-    if torchrun:  # torchrun runs files: CHILD as one, which imports from the repo
+    if torchrun:  # torchrun runs files: CHILD as one, whose own folder (out/throughput) heads
+        # sys.path instead, so the root comes through PYTHONPATH
         script = os.path.join(ROOT, "out", "throughput", "child.py")
         os.makedirs(os.path.dirname(script), exist_ok=True)
         with open(script, "w") as f:

@@ -35,13 +35,12 @@ CPU interpreter it runs the same code with fp32 operands (the interpreter's bf16
 in triton 3.9). exp_logits_reference() is the same math in torch.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from fused_loss.triton_kernels import LOG2E, _logits, _row_loss, _row_weight, _tanh, _target
+from gpt2_fused.kernels.device import is_hopper, num_sms
 from gpt2_fused.kernels.interpreter import to_dtype
 
 REBASE = 64.0  # nats: E <= e^64 and S <= V e^64 stay finite in bf16 / fp32
@@ -62,7 +61,7 @@ def applies(x, w):
         return False
     if x.shape[1] % 8 or w.shape[0] % 8 or x.data_ptr() % 16 or w.data_ptr() % 16:
         return False
-    return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] == 9
+    return x.device.type != "cuda" or is_hopper(x.device)
 
 
 @triton.jit
@@ -250,11 +249,6 @@ def _exp_finish_kernel(
             tl.store(e_row + y, to_dtype(hot, out_ty, INTERPRETED))
 
 
-@functools.cache
-def _sms(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def scratch(n, V, device):
     """The per-chunk state between start() and finish(): c (n,), s and k (n, T)."""
     T = triton.cdiv(V, LAUNCH["cuda" if device.type == "cuda" else "cpu"]["BN"])
@@ -295,7 +289,7 @@ def start(
     w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [BN, BK])
     e_desc = TensorDescriptor(e, list(e.shape), list(e.stride()), [BM, BN])
     tiles = triton.cdiv(n, BM) * s.shape[1]
-    programs = min(tiles, _sms(x.device.index)) if cuda else tiles  # one per SM
+    programs = min(tiles, num_sms(x.device.index)) if cuda else tiles  # one per SM
     _exp_logits_kernel[(programs,)](
         x_desc, w_desc, e_desc, c, y, s, k, n_rows=n, V=V, D=D, vocab_size=vocab_size,
         ignore_index=ignore_index, REBASE=REBASE, **options, ALL_ROWS=all_rows, BM=BM, BN=BN, BK=BK,

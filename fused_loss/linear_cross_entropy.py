@@ -12,6 +12,7 @@ row kernel and in exp_gemm's kernels, label smoothing in the former only; calls 
 that the path at hand cannot take go to the two-read kernel (lce_pass).
 """
 
+import contextlib
 import functools
 import os
 from typing import Optional
@@ -23,6 +24,7 @@ from fused_loss import exp_gemm, triton_kernels
 from fused_loss.checks import check_inputs
 from fused_loss.reference import linear_cross_entropy_reference
 from gpt2_fused.kernels import cublaslt
+from gpt2_fused.kernels.device import launch_overrides, num_sms
 
 # The launch of the row kernels (triton_kernels.py), by device ("cpu": the Triton interpreter in
 # tests, small blocks so that small ragged shapes span several); bench/RESULTS.md#fused-loss.
@@ -43,15 +45,19 @@ from gpt2_fused.kernels import cublaslt
 #                 accumulator leaves the chunks at MIN_ROWS (1558M's width): there the
 #                 accumulator's read-modify-writes set the time, the single read was no faster
 #                 and its (n, D) scratch passed the lean bound
+#   exp_gemm      the single read's logits GEMM with the row pass in its epilogue (exp_gemm.py)
+#                 where exp_gemm.applies(); False: the cuBLAS GEMM + _exp_rows_kernel everywhere
+#                 (what bench/bench_exp_gemm.py compares it with)
+# Benchmarks try other values inside launch_settings(), which restores these.
 # fmt: off
 LAUNCH = {
     "cuda": dict(
         BV=4096, BD=256, num_warps=8, per_sm=4, one_hot_rows=8, one_hot_cols=64, one_hot_steps=32,
-        single_read="auto",
+        single_read="auto", exp_gemm=True,
     ),
     "cpu": dict(
         BV=16, BD=16, num_warps=1, per_sm=1, one_hot_rows=4, one_hot_cols=16, one_hot_steps=2,
-        single_read="auto",
+        single_read="auto", exp_gemm=True,
     ),
 }
 # fmt: on
@@ -77,13 +83,24 @@ MIN_CHUNK_ELEMENTS = 5 * 2**20
 CHUNK_MULTIPLE = 128
 
 
+@contextlib.contextmanager
+def launch_settings(*, extra_bytes=None, **cuda):
+    """LAUNCH["cuda"] with `cuda`'s entries (an unknown key is a KeyError) and, unless None,
+    EXTRA_BYTES = extra_bytes, for the block; both restored after. For benchmarks of other
+    launches and memory budgets (bench/): the custom ops' schemas take no launch settings, so
+    these stay module state, changed only here. Process-wide: not for concurrent use."""
+    global EXTRA_BYTES
+    saved = EXTRA_BYTES
+    try:
+        with launch_overrides(LAUNCH["cuda"], **cuda):
+            EXTRA_BYTES = saved if extra_bytes is None else extra_bytes
+            yield
+    finally:
+        EXTRA_BYTES = saved
+
+
 def interpreting():
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.cache
-def _num_sms(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def chunk_rows(N, V, elt_size, acc_bytes=0, multiple=CHUNK_MULTIPLE, min_rows=None):
@@ -251,12 +268,12 @@ def lce_pass(
         return loss, lse, x.new_empty(0), x.new_empty(0), no_db  # distinct: outputs never alias
     acc_bytes = V * D * 4 if want_grad and dw_dtype != torch.float32 else 0
     n = rows_per_chunk(N, V, D, x.element_size(), acc_bytes, cuda)
-    programs = _num_sms(dev.index) * cfg["per_sm"] if cuda else n
+    programs = num_sms(dev.index) * cfg["per_sm"] if cuda else n
     roomy = EXTRA_BYTES - acc_bytes >= MIN_ROWS * V * x.element_size()
     single = use_single_read(cfg["single_read"], x.dtype, dw_dtype, roomy)
     # the options live in _softmax_grad_kernel and in exp_gemm's kernels (label smoothing only
     # in the former: its constant term times the softcap's derivative is no row scale of E)
-    exp_epilogue = single and exp_gemm.applies(x, w) and not label_smoothing
+    exp_epilogue = single and cfg["exp_gemm"] and exp_gemm.applies(x, w) and not label_smoothing
     options = has_bias or softcap is not None or z_loss or label_smoothing or want_lse
     single = single and (exp_epilogue or not options)
     bias = bias.contiguous() if has_bias else None

@@ -1,6 +1,6 @@
 """The benchmark scripts' own arithmetic (no GPU): step statistics, the first-loss check,
-bench_fused_loss's --set parsing, bench_adamw's Triton AdamW against torch's (in the Triton
-interpreter, see conftest.py), and parity.py's reference sampler."""
+bench_fused_loss's --set parsing, the loss variants' launch settings, bench_adamw's Triton AdamW
+against torch's (in the Triton interpreter, see conftest.py), and parity.py's reference sampler."""
 
 import json
 
@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from bench import bench_adamw, bench_dw_gemm, bench_fused_loss, parity, shard_memory, throughput
+from bench import (
+    bench_adamw,
+    bench_dw_gemm,
+    bench_fused_loss,
+    common,
+    parity,
+    shard_memory,
+    throughput,
+)
+from fused_loss import linear_cross_entropy as fl
 
 
 def run(model, batch, loss_first, rc=0, impl="default"):
@@ -83,6 +92,22 @@ def test_bench_fused_loss_set_parses_each_value_as_its_option_type():
     for bad in ("per_sm", "warps=8", "cap_regs=no", "per_sm=x"):
         with pytest.raises((SystemExit, ValueError)):
             bench_fused_loss.parse_set(bad, config)
+
+
+def test_loss_variants_set_the_launch_for_their_block_only():
+    """common.variant goes through fl.launch_settings: the variant's values inside, the library's
+    after (an error in the block too); a key LAUNCH does not have is refused, nothing changed."""
+    launch, extra = dict(fl.LAUNCH["cuda"]), fl.EXTRA_BYTES
+    with common.variant("extra640"):
+        assert fl.EXTRA_BYTES == 640 * common.MiB and fl.LAUNCH["cuda"] == launch
+    with pytest.raises(RuntimeError), common.variant("w16_sm2"):
+        assert fl.LAUNCH["cuda"] == dict(launch, per_sm=2, num_warps=16)
+        assert fl.EXTRA_BYTES == extra
+        raise RuntimeError
+    assert (fl.LAUNCH["cuda"], fl.EXTRA_BYTES) == (launch, extra)
+    with pytest.raises(KeyError, match="per_smm"), fl.launch_settings(per_smm=2, extra_bytes=1):
+        pass
+    assert (fl.LAUNCH["cuda"], fl.EXTRA_BYTES) == (launch, extra)
 
 
 def test_bench_fused_loss_repeats_take_turns_and_ratio_within_each_repeat():

@@ -38,7 +38,8 @@ def test_static_cache_greedy_equals_recompute(prompt_len, new, batch):
 
 def test_cache_shorter_than_block_size_and_kept_between_calls():
     """The cache holds prompt + new tokens rounded up to LEN_MULTIPLE, not block_size; a second
-    call of the same shape reuses it (the prefill resets it), another shape replaces it."""
+    call of the same shape reuses it (the prefill resets it), another shape replaces it, and
+    release() drops it."""
     model = tiny(seed=2, block_size=512)
     idx = torch.randint(0, V, (2, 5))
     a = gen(model, idx, 40, temperature=0, decode="eager")
@@ -52,6 +53,8 @@ def test_cache_shorter_than_block_size_and_kept_between_calls():
     assert torch.equal(b, gen(model, idx2, 40, temperature=0, decode="recompute"))
     gen(model, idx[:1], 40, temperature=0, decode="eager")
     assert generate._DECODERS[model] is not dec
+    generate.release(model)
+    assert model not in generate._DECODERS
 
 
 @pytest.mark.parametrize("decode", ["eager", "recompute"])

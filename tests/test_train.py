@@ -2,7 +2,6 @@
 Ctrl-C, non-finite loss, OOM hint, the loss plot, wandb."""
 
 import glob
-import json
 import math
 import os
 import re
@@ -22,6 +21,7 @@ from data.loader import iter_val_batches
 from gpt2_fused.core import compile_guard, config, model_io
 from gpt2_fused.core.checkpoint import list_checkpoints
 from gpt2_fused.core.compile_guard import CompileMismatch
+from gpt2_fused.core.runlog import read_jsonl
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,7 +109,7 @@ def test_loss_drops_and_log_records(tiny_args, tmp_path):
     assert sorted(losses) == list(range(30)) and sorted(vals) == [0, 10, 20, 30]
     assert losses[0] > 6.0 and losses[29] < losses[0] - 1.5  # ln(512) down towards the chain's
     assert vals[30] < vals[0] - 1.5
-    rec = json.loads((out / "log.jsonl").read_text().splitlines()[1])
+    rec = read_jsonl(out / "log.jsonl")[1]
     assert set(rec) == {"step", "loss", "lr", "grad_norm", "ms", "tok_per_s", "mfu"}
     assert rec["mfu"] is None  # no peak FLOP/s for a CPU
 
@@ -451,7 +451,7 @@ def test_hellaswag_logged_with_val_loss(tiny_args, tmp_path):
         f"--hellaswag_path={fixture}",
     ]
     train.main(args)
-    recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    recs = read_jsonl(out / "log.jsonl")
     hs = {r["step"]: r["hellaswag_acc_norm"] for r in recs if "val_loss" in r}
     assert sorted(hs) == [0, 2]
     model, _ = model_io.from_checkpoint(str(out))  # the step-2 weights, scored on their own

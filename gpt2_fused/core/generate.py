@@ -328,3 +328,9 @@ def _decoder(model, batch_size, max_len, mode, sampling):
         _DECODERS.pop(model, None)  # free the old buffers before allocating new ones
         dec = _DECODERS[model] = Decoder(model, key)
     return dec
+
+
+def release(model):
+    """Drop model's decoder (its KV cache and CUDA graphs), so that their memory is free before
+    the next generate() call builds another, e.g. in another mode (bench/bench_sample.py)."""
+    _DECODERS.pop(model, None)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from gpt2_fused.kernels.colsum import qkv_grad
+from gpt2_fused.kernels.device import is_hopper
 from gpt2_fused.kernels.mlp import half_compute_dtype, linear_add, mm_as
 
 
@@ -35,7 +36,7 @@ def available():
     """cuDNN's fused attention on a Hopper GPU (the only ones this op is tested on)."""
     return (
         torch.cuda.is_available()
-        and torch.cuda.get_device_capability()[0] == 9
+        and is_hopper()
         and torch.backends.cudnn.is_available()
         and torch.backends.cuda.cudnn_sdp_enabled()
     )

@@ -19,11 +19,11 @@ interpreter the same kernels run (16-bit values are only loaded, stored and wide
 colsum_reference / qkv_grad_reference are the same in torch.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from gpt2_fused.kernels.device import num_sms
 
 # pass 1's launch: elements of one of the two tiles a program reads per step (BM rows x BN
 # columns), its warps and how many programs per SM (the rows are split so): 3 is what stays
@@ -98,11 +98,6 @@ def _finish_kernel(part_ptr, out_ptr, P, N, BP: tl.constexpr, BN: tl.constexpr):
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < N)
 
 
-@functools.cache
-def _sms(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _launch(parts, M, C, three):
     """Pass 1 and 2 over `parts` (one or three (M, C) tensors of one row stride): the sums (N,)
     fp32 and, when three, the concatenation (M, 3C)."""
@@ -116,7 +111,7 @@ def _launch(parts, M, C, three):
         BN = min(BN, C & -C)
     BM = max(1, tile // BN)
     blocks = triton.cdiv(N, BN)
-    want = _sms(a.device.index) * cfg["per_sm"] if cuda else 4
+    want = num_sms(a.device.index) * cfg["per_sm"] if cuda else 4
     splits = max(1, min(triton.cdiv(M, BM), triton.cdiv(want, blocks)))
     rows = 2 * BM * triton.cdiv(triton.cdiv(M, splits), 2 * BM)
     P = triton.cdiv(M, rows)

@@ -1,0 +1,50 @@
+"""What the kernels' launches ask of the GPU (its SM count, whether it is Hopper), and a LAUNCH
+table's entries overridden for a block of code.
+
+Here, in the lowest layer, so that fused_loss/ and the kernels beside this module share one copy
+(gpt2_fused/core/device.py, which picks a run's device, sits above fused_loss and so cannot
+serve it). Nothing here queries a device at import.
+"""
+
+import contextlib
+import functools
+
+import torch
+
+
+@functools.cache  # asked at every launch; the count of a device does not change
+def num_sms(device_index):
+    """Streaming multiprocessors of CUDA device `device_index` (None: the current one).
+
+    Cached, so Dynamo would re-trace it at every call: call it from launchers that torch.compile
+    does not enter (custom ops), never from a traced forward (tests/test_compile_graph.py).
+    """
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def is_hopper(device=None):
+    """Whether `device` (None: the current CUDA device) is a Hopper GPU (compute capability 9.x),
+    the only ones the TMA GEMM and cuDNN attention paths are tuned and tested on; False for a
+    device that is not CUDA. Not cached: torch caches the properties, and the forward may ask."""
+    if device is not None and torch.device(device).type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+@contextlib.contextmanager
+def launch_overrides(table, **entries):
+    """`table` (one device's LAUNCH dict of a kernel module) with `entries` in place of its values
+    for the block, restored after, raise or not. A key the table does not have is a KeyError (a
+    typo would otherwise time the defaults). For benchmarks of other launches: the kernels read
+    their table at each call, and their custom ops' schemas take no launch settings. The table is
+    the process's own: not for concurrent use."""
+    unknown = sorted(set(entries) - set(table))
+    if unknown:
+        raise KeyError(f"launch settings {unknown} are not among {sorted(table)}")
+    saved = dict(table)
+    table.update(entries)
+    try:
+        yield table
+    finally:
+        table.clear()
+        table.update(saved)
