@@ -42,7 +42,7 @@ LR, BETAS, EPS, WD, MAX_NORM = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, n, lr, beta1, beta2, eps, decay,
+def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, coef_ptr, n, lr, beta1, beta2, eps, decay,
                   step_size, bc2_sqrt, BLOCK: tl.constexpr):  # fmt: skip
     """One AdamW update of BLOCK fp32 elements, the grads scaled by *coef_ptr (the clip
     factor) on the way in. decay = 1 - lr * weight_decay; step_size = lr / bias_correction1."""
@@ -66,7 +66,7 @@ def clip_coef(grads, max_norm):
 
 
 class TritonAdamW:
-    """Plain-tensor AdamW state (m, v per parameter), updated by _adamw_kernel."""
+    """Plain-tensor AdamW state (m, v per parameter), updated by adamw_kernel."""
 
     def __init__(self, params, weight_decays, block=4096):
         self.params, self.wds, self.block, self.step_count = params, weight_decays, block, 0
@@ -79,7 +79,7 @@ class TritonAdamW:
         bc2_sqrt = (1 - BETAS[1] ** self.step_count) ** 0.5
         for p, m, v, wd in zip(self.params, self.m, self.v, self.wds, strict=True):
             n = p.numel()
-            _adamw_kernel[(triton.cdiv(n, self.block),)](
+            adamw_kernel[(triton.cdiv(n, self.block),)](
                 p, p.grad, m, v, coef, n, LR, BETAS[0], BETAS[1], EPS, 1 - LR * wd,
                 LR / bc1, bc2_sqrt, BLOCK=self.block, num_warps=8,
             )  # fmt: skip

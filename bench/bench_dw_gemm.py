@@ -151,7 +151,7 @@ def time_shape(shape, N, D, configs, repeats):
     lo = torch.zeros_like(hi)
 
     def cublas(r=rows_fp32):
-        fl._gemm(acc, e[:r].t(), xs[:r], accumulate=True)
+        fl.gemm(acc, e[:r].t(), xs[:r], accumulate=True)
 
     def hilo(r, name):
         return lambda: dw_hilo(e[:r], xs[:r], hi, lo, first=False, last=False, config=name)
@@ -166,7 +166,7 @@ def time_shape(shape, N, D, configs, repeats):
             except Exception as exc:  # a configuration that does not compile or fit
                 print(f"{name} at {r} rows: {repr(exc)[:200]}")
     # the kernel's result against cuBLAS's on one chunk
-    fl._gemm(acc, e.t(), xs)
+    fl.gemm(acc, e.t(), xs)
     dw_hilo(e, xs, hi, lo, first=True, last=False, config=configs[0])
     err = ((hi.float() + lo.float() - acc).norm() / acc.norm()).item()
     times = {k: [] for k in cases}

@@ -3,14 +3,14 @@
     python -m bench.bench_exp_gemm [--repeats 3] [--configs all] [--e2e]
 
 Part 1, one chunk (GPU ms, CUDA events around 20 launches, medians over --repeats interleaved
-rounds): the cuBLAS logits GEMM alone (algorithm chosen by timing), that GEMM + _exp_rows_kernel
+rounds): the cuBLAS logits GEMM alone (algorithm chosen by timing), that GEMM + exp_rows_kernel
 (the single-read chunk where exp_gemm does not apply), and exp_gemm's start + finish for each
 tile configuration of CONFIGS (exp_gemm.LAUNCH's first), at the chunk shapes of the 124M and
 1558M classifiers with fp32 master weights (6554 and 3277 rows) and of the 124M one with bf16
 weights (1725 rows). Also each configuration's error of G = f E against
 exp_gemm.exp_logits_reference's fp32 math.
 Part 2 (--e2e): fwd+bwd of fused_linear_cross_entropy with exp_gemm and with the cuBLAS logits
-GEMM + _exp_rows_kernel (fl.launch_settings(exp_gemm=False), as before Hopper), and torch.compile of
+GEMM + exp_rows_kernel (fl.launch_settings(exp_gemm=False), as before Hopper), and torch.compile of
 the reference, at the 124M and 1558M shapes, fp32 master weight under autocast, interleaved
 --repeats times; GPU ms with the host's latency hidden.
 """
@@ -71,12 +71,12 @@ def chunk_cases(n, D, configs):
     programs = num_sms(0) * cfg["per_sm"]
 
     def cublas():
-        fl._gemm(buf, x, w.t())
+        fl.gemm(buf, x, w.t())
 
     def cublas_rows():  # as lce_pass launches it (mask_cols = V after the -inf fill)
-        fl._gemm(buf, x, w.t())
+        fl.gemm(buf, x, w.t())
         buf[:, VOCAB:].fill_(float("-inf"))
-        triton_kernels._exp_rows_kernel[(min(n, programs),)](
+        triton_kernels.exp_rows_kernel[(min(n, programs),)](
             buf, y, gw, losses, f, h, n, V, VOCAB, V, buf.stride(0), -100,
             G_PER_ROW=False, WRITE_G=True, HOT=True, REBASE=fl.REBASE, BV=cfg["BV"],
             INTERPRETED=False,
@@ -112,7 +112,7 @@ def chunk_cases(n, D, configs):
         except Exception as e:  # a configuration that does not compile or fit: report it
             errors[name] = repr(e)[:120]
     del e_ref, g_ref
-    cases = {"cuBLAS GEMM": cublas, "cuBLAS GEMM + _exp_rows_kernel": cublas_rows}
+    cases = {"cuBLAS GEMM": cublas, "cuBLAS GEMM + exp_rows_kernel": cublas_rows}
     cases.update({name: epilogue(name) for name in configs if not isinstance(errors[name], str)})
     return cases, errors, 2 * n * D * V
 

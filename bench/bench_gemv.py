@@ -89,7 +89,7 @@ def gemv_variant(x, w, b, gelu, elements=gemv.ELEMENTS, num_warps=gemv.NUM_WARPS
     block = max(1, elements // KP)
     while block > 1 and triton.cdiv(n, block) < 2 * sms:
         block //= 2
-    gemv._gemv_kernel[(triton.cdiv(n, block),)](
+    gemv.gemv_kernel[(triton.cdiv(n, block),)](
         x, w, b, w, w, w, y, w, w, w, n, 0.0, 0, K=k, KP=KP, BLOCK_N=block, HAS_BIAS=True,
         LN=False, LN_BIAS=False, GELU=gelu, RESIDUAL=False, KV=False, HEAD=1, PDL=use_pdl,
         INTERPRETED=False, num_warps=num_warps, **(dict(launch_pdl=True) if use_pdl else {}),

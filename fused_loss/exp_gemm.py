@@ -1,12 +1,12 @@
 """The logits GEMM with the single-read row pass in its epilogue: E = exp(x @ w.T - c), never z.
 
 Dims as in triton_kernels.py: a chunk of n rows x (n, D), w (V, D), targets y (n,), Vr =
-vocab_size real columns. The single-read kernel (_exp_rows_kernel) reads the chunk's bf16
+vocab_size real columns. The single-read kernel (exp_rows_kernel) reads the chunk's bf16
 logits z from a buffer and writes E = exp(z - c) back over them, c one reference per row. Here
 the logits GEMM's epilogue writes E directly from its fp32 accumulators, so the buffer is written
 once and never read by a row pass. That needs c before the GEMM; it is the target's logit,
 
-    c_n = x_n . w_{y_n}   (fp32, _target_logit_kernel; 0 for ignored and out-of-range targets)
+    c_n = x_n . w_{y_n}   (fp32, target_logit_kernel; 0 for ignored and out-of-range targets)
 
 which no row's max is below, so the row's largest E is >= 1 and nothing that matters underflows.
 A row whose max is far above its target's (a loss above REBASE nats) could overflow exp, so
@@ -22,11 +22,11 @@ keep the tile's largest exponent <= REBASE, and stores k with the tile's partial
                            row without h) h = 0 and E_y = exp(-K REBASE) - S  (folded in, fp32)
                            tiles with k_t < K: E *= exp((k_t - K) REBASE)   (rare)
 
-after which the buffer, f and h are what _exp_rows_kernel leaves: G = diag(f) E - diag(h)
+after which the buffer, f and h are what exp_rows_kernel leaves: G = diag(f) E - diag(h)
 onehot(y) (triton_kernels.py says why and when the one-hot stays out of E). Dead rows (ignored
 targets, and out-of-range ones, whose loss is NaN) get E = 0 and f = h = 0: no gradient.
 
-Unlike _exp_rows_kernel, E and S come from the unrounded fp32 logits, so the loss does not carry
+Unlike exp_rows_kernel, E and S come from the unrounded fp32 logits, so the loss does not carry
 the bf16 rounding of z (torch's bf16 path does; the error against an fp32 reference is smaller).
 
 The GEMM is persistent (one program per SM, tiles column-major so that the programs running at
@@ -56,7 +56,7 @@ LAUNCH = {
 def applies(x, w):
     """The GEMM's TMA descriptors need 16-byte aligned rows and bases; its launch (213 KB of
     shared memory a block) is tuned and tested on Hopper only: other GPUs (consumer Blackwell
-    has ~100 KB a block) take the cuBLAS GEMM and _exp_rows_kernel."""
+    has ~100 KB a block) take the cuBLAS GEMM and exp_rows_kernel."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
         return False
     if x.shape[1] % 8 or w.shape[0] % 8 or x.data_ptr() % 16 or w.data_ptr() % 16:
@@ -65,7 +65,7 @@ def applies(x, w):
 
 
 @triton.jit
-def _target_logit_kernel(
+def target_logit_kernel(
     x_ptr,  # (n, D)
     w_ptr,  # (V, D)
     y_ptr,  # (n,) int64
@@ -90,7 +90,7 @@ def _target_logit_kernel(
 
 
 @triton.jit
-def _exp_logits_kernel(
+def exp_logits_kernel(
     x_desc,  # (n, D) block [BM, BK]
     w_desc,  # (V, D) block [BN, BK]
     e_desc,  # (n, V) out, block [BM, BN]: E (0 in padded columns and dead rows)
@@ -168,7 +168,7 @@ def _exp_logits_kernel(
 
 
 @triton.jit
-def _exp_finish_kernel(
+def exp_finish_kernel(
     e_ptr,  # (n, V) E of the chunk; rare tiles rebased, the one-hot folded in where p_y >= 1/2
     y_ptr,  # (n,) int64
     g_ptr,  # (1,) or (n,) fp32
@@ -281,7 +281,7 @@ def start(
         b_ptr=c if bias is None else bias, softcap=softcap or 0.0, HAS_BIAS=bias is not None,
         SOFTCAP=softcap is not None,
     )  # fmt: skip
-    _target_logit_kernel[(n,)](
+    target_logit_kernel[(n,)](
         x, w, y, c, D=D, vocab_size=vocab_size, ignore_index=ignore_index,
         BD=triton.next_power_of_2(D), **options,
     )  # fmt: skip
@@ -290,7 +290,7 @@ def start(
     e_desc = TensorDescriptor(e, list(e.shape), list(e.stride()), [BM, BN])
     tiles = triton.cdiv(n, BM) * s.shape[1]
     programs = min(tiles, num_sms(x.device.index)) if cuda else tiles  # one per SM
-    _exp_logits_kernel[(programs,)](
+    exp_logits_kernel[(programs,)](
         x_desc, w_desc, e_desc, c, y, s, k, n_rows=n, V=V, D=D, vocab_size=vocab_size,
         ignore_index=ignore_index, REBASE=REBASE, **options, ALL_ROWS=all_rows, BM=BM, BN=BN, BK=BK,
         PROGRAMS=programs, INTERPRETED=not cuda, num_warps=cfg["num_warps"],
@@ -309,7 +309,7 @@ def finish(
     c, s, k = state
     T = s.shape[1]
     cuda = e.device.type == "cuda"
-    _exp_finish_kernel[(n,)](
+    exp_finish_kernel[(n,)](
         e, y, g, s, k, losses, f, f if h is None else h, c, losses if lse is None else lse,
         softcap or 0.0, z_loss,
         V, T, e.stride(0), vocab_size, ignore_index,

@@ -28,15 +28,15 @@ from gpt2_fused.kernels.device import launch_overrides, num_sms
 
 # The launch of the row kernels (triton_kernels.py), by device ("cpu": the Triton interpreter in
 # tests, small blocks so that small ragged shapes span several); bench/RESULTS.md#fused-loss.
-#   BV, BD        columns per step of the row kernels; D-block of _row_scale_kernel
-#   one_hot_rows  sorted rows a block of _one_hot_pieces_kernel sums; one_hot_cols: its D-block
-#                 (and _one_hot_runs_kernel's); one_hot_steps: blocks _one_hot_runs_kernel adds
+#   BV, BD        columns per step of the row kernels; D-block of row_scale_kernel
+#   one_hot_rows  sorted rows a block of one_hot_pieces_kernel sums; one_hot_cols: its D-block
+#                 (and one_hot_runs_kernel's); one_hot_steps: blocks one_hot_runs_kernel adds
 #                 a step along a run that crosses blocks
 #   per_sm        programs per SM, persistent over rows. On CUDA their registers are capped
 #                 (ptxas .maxnreg, row_kernel_maxnreg) so that all fit on an SM at once, as the
 #                 grid assumes; uncapped, ptxas's counts swing with small code changes
-#   single_read   _exp_rows_kernel (one read of the buffer, the row scales applied around the
-#                 GEMMs) or _softmax_grad_kernel (two reads): True, False or "auto"
+#   single_read   exp_rows_kernel (one read of the buffer, the row scales applied around the
+#                 GEMMs) or softmax_grad_kernel (two reads): True, False or "auto"
 #                 (use_single_read). The single read rounds f * x for the dw GEMM, one rounding
 #                 more than torch's path on the softmax part of G (with a 16-bit dw the one-hot
 #                 part is added in fp32, so dw's error stays below torch's; an fp32 dw, not
@@ -46,7 +46,7 @@ from gpt2_fused.kernels.device import launch_overrides, num_sms
 #                 accumulator's read-modify-writes set the time, the single read was no faster
 #                 and its (n, D) scratch passed the lean bound
 #   exp_gemm      the single read's logits GEMM with the row pass in its epilogue (exp_gemm.py)
-#                 where exp_gemm.applies(); False: the cuBLAS GEMM + _exp_rows_kernel everywhere
+#                 where exp_gemm.applies(); False: the cuBLAS GEMM + exp_rows_kernel everywhere
 #                 (what bench/bench_exp_gemm.py compares it with)
 # Benchmarks try other values inside launch_settings(), which restores these.
 # fmt: off
@@ -67,7 +67,7 @@ LAUNCH = {
 LT_CANDIDATES = 16
 LT_WORKSPACE = 0
 REGS_PER_SM = 65536  # 32-bit registers per SM on sm_70 .. sm_90
-REBASE = 60.0  # nats above the reference exp() may reach before _exp_rows_kernel rebases a row
+REBASE = 60.0  # nats above the reference exp() may reach before exp_rows_kernel rebases a row
 # Extra memory a call may hold: the (n, V) buffer plus, when the weight is not fp32, the fp32 dw
 # accumulator (V, D). 320 MiB at the 124M shape: 147 MiB accumulator + 19 chunks of 1725 rows
 # with bf16 weights. Fewer chunks mean fewer read-modify-writes of the fp32 dw (8 bytes per
@@ -141,7 +141,7 @@ def accumulator_parts(V, cast_bytes, buffer_bytes, max_parts=8, align=1):
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
-def _gemm(out, a, b, accumulate=False, tune_accumulate=False):
+def gemm(out, a, b, accumulate=False, tune_accumulate=False):
     """out = a @ b, or += when accumulate; a, b in the compute dtype, out in it or fp32 (fp32
     accumulation either way). tune_accumulate: a first, overwriting call of a GEMM whose later
     calls accumulate, so that cuBLASLt times its candidates as accumulating calls.
@@ -183,14 +183,14 @@ def _accumulate_dw(accs, parts, g_t, xs, first):
     part would keep it alive through the casts (one more part's memory at the peak).
     """
     for (a, b), acc in zip(parts, accs, strict=True):
-        _gemm(acc, g_t[a:b], xs, accumulate=not first, tune_accumulate=first)
+        gemm(acc, g_t[a:b], xs, accumulate=not first, tune_accumulate=first)
 
 
 def _subtract_one_hot(accs, parts, db, y, h, x, cfg):
     """dw[y_n] -= h_n x_n over all rows (and db[y_n] -= h_n when db is not None), in fp32: the
     one-hot term of G = diag(f) E - diag(h) onehot(y), outside the dw GEMM so that it is not
     rounded (triton_kernels.py). The rows sorted by target (stable), runs of equal targets are
-    summed in that order (_one_hot_pieces_kernel, _one_hot_runs_kernel): no atomics, the same
+    summed in that order (one_hot_pieces_kernel, one_hot_runs_kernel): no atomics, the same
     sums every call, and real text's frequent targets are spread over many programs. Rows with
     h_n = 0 (the one-hot folded into E, ignored, dead) add nothing."""
     N, D = x.shape
@@ -207,10 +207,10 @@ def _subtract_one_hot(accs, parts, db, y, h, x, cfg):
         part = torch.empty((blocks, 2, width), device=x.device, dtype=torch.float32)
         grid = (blocks, triton.cdiv(width, BD))
         kw = dict(R=R, BD=BD)
-        triton_kernels._one_hot_pieces_kernel[grid](
+        triton_kernels.one_hot_pieces_kernel[grid](
             acc, part, rows, ys, order, h, N, width, a, b, **kw
         )  # fmt: skip
-        triton_kernels._one_hot_runs_kernel[grid](
+        triton_kernels.one_hot_runs_kernel[grid](
             acc, part, ys, N, width, a, b, blocks, S=cfg["one_hot_steps"], **kw
         )  # fmt: skip
 
@@ -271,7 +271,7 @@ def lce_pass(
     programs = num_sms(dev.index) * cfg["per_sm"] if cuda else n
     roomy = EXTRA_BYTES - acc_bytes >= MIN_ROWS * V * x.element_size()
     single = use_single_read(cfg["single_read"], x.dtype, dw_dtype, roomy)
-    # the options live in _softmax_grad_kernel and in exp_gemm's kernels (label smoothing only
+    # the options live in softmax_grad_kernel and in exp_gemm's kernels (label smoothing only
     # in the former: its constant term times the softcap's derivative is no row scale of E)
     exp_epilogue = single and cfg["exp_gemm"] and exp_gemm.applies(x, w) and not label_smoothing
     options = has_bias or softcap is not None or z_loss or label_smoothing or want_lse
@@ -288,7 +288,7 @@ def lce_pass(
         state = exp_gemm.scratch(n, V, dev)
         exp_gemm.start(x[:n], w, y[:n], buf, state, **gemm_kw)
     else:
-        _gemm(buf, x[:n], w.t())
+        gemm(buf, x[:n], w.t())
     g = g() if callable(g) else g
     losses = torch.empty(N, device=dev, dtype=torch.float32)
     lse = torch.empty(N if want_lse else 0, device=dev, dtype=torch.float32)
@@ -321,7 +321,7 @@ def lce_pass(
         smoothing=label_smoothing, HAS_BIAS=has_bias, SOFTCAP=softcap is not None,
         Z_LOSS=z_loss != 0, SMOOTH=label_smoothing != 0, WRITE_LSE=want_lse,
     )  # fmt: skip
-    sums = dict(BR=32, BC=128) if cuda else dict(BR=16, BC=16)  # _column_sums_kernel
+    sums = dict(BR=32, BC=128) if cuda else dict(BR=16, BC=16)  # column_sums_kernel
 
     for i, c0 in enumerate(range(0, N, n)):
         rows = min(n, N - c0)
@@ -341,35 +341,35 @@ def lce_pass(
             )  # fmt: skip
         else:
             if i:  # the first one was queued above
-                _gemm(z, xs, w.t())
+                gemm(z, xs, w.t())
             if fill:
                 z[:, vocab_size:].fill_(float("-inf"))
             args = (z, ys, gs, losses[c0 : c0 + rows]) + ((f, hs) if single else ())
             args += (rows, V, vocab_size, V, z.stride(0), ignore_index)
             grid = (min(rows, programs),)
             if single:  # z -> E in place, f = g / S, h
-                triton_kernels._exp_rows_kernel[grid](*args, REBASE=REBASE, HOT=hot, **launch)
+                triton_kernels.exp_rows_kernel[grid](*args, REBASE=REBASE, HOT=hot, **launch)
             else:  # z -> G in place
                 lse_out = losses if lses is None else lses
-                triton_kernels._softmax_grad_kernel[grid](
+                triton_kernels.softmax_grad_kernel[grid](
                     *args, **launch, **(features | dict(lse_ptr=lse_out))
                 )
         if not want_grad:
             continue
         if has_bias:  # db (+)= G.T @ 1
-            triton_kernels._column_sums_kernel[(triton.cdiv(V, sums["BC"]),)](
+            triton_kernels.column_sums_kernel[(triton.cdiv(V, sums["BC"]),)](
                 z, f if single else z, db_acc, rows, V, z.stride(0),
                 HAS_F=single, ACCUMULATE=i > 0, **sums,
             )  # fmt: skip
         if single:  # dx = f * (E @ w) - h * w[y], dw += E.T @ (f * x) - onehot(y).T @ (h * x)
-            _gemm(p[:rows], z, w)
-            triton_kernels._row_scale_kernel[(rows,)](p, f, dxs, w, ys, hs, D, HOT=hot, **scale)
-            triton_kernels._row_scale_kernel[(rows,)](
+            gemm(p[:rows], z, w)
+            triton_kernels.row_scale_kernel[(rows,)](p, f, dxs, w, ys, hs, D, HOT=hot, **scale)
+            triton_kernels.row_scale_kernel[(rows,)](
                 xs, f, xs_scaled, xs, ys, hs, D, HOT=False, **scale
             )  # fmt: skip
             _accumulate_dw(accs, parts, z.t(), xs_scaled[:rows], first=i == 0)
         else:  # dx = G @ w, dw += G.T @ x
-            _gemm(dxs, z, w)
+            gemm(dxs, z, w)
             _accumulate_dw(accs, parts, z.t(), xs, first=i == 0)
     del buf, z, args, state  # free the buffer before the cast allocates dw in its dtype
     db = no_db
@@ -473,7 +473,7 @@ def _scale_grads_(dx: torch.Tensor, dw: torch.Tensor, db: torch.Tensor, g: torch
         if t.numel() == 0:
             continue
         block = 4096
-        triton_kernels._scale_kernel[(triton.cdiv(t.numel(), block),)](
+        triton_kernels.scale_kernel[(triton.cdiv(t.numel(), block),)](
             t, g, t, t.numel(), BLOCK=block, INTERPRETED=t.device.type != "cuda"
         )
 

@@ -1,5 +1,5 @@
 """Triton kernels of the fused linear + cross-entropy. The GEMMs around them are cuBLAS calls
-(on Hopper the single-read path's logits GEMM is exp_gemm.py's, which does _exp_rows_kernel's
+(on Hopper the single-read path's logits GEMM is exp_gemm.py's, which does exp_rows_kernel's
 work in its epilogue).
 
 Dims: N tokens, D hidden, V weight rows (padded vocab), Vr = vocab_size <= V real columns.
@@ -10,20 +10,20 @@ Math, for x (N, D), w (V, D), targets y (N,) and per-row gradient weights g (N,)
     dx = G @ w   (N, D)          dw = G.T @ x   (V, D)
 g_n is 1/count (mean), 1 (sum) or the upstream gradient ("none"); 0 for ignored targets.
 The options (fused_linear_cross_entropy's bias, softcap s, z_loss l, label_smoothing e) change
-the softmax's input and the loss, _softmax_grad_kernel takes them all (_logits, _feature_grad):
+the softmax's input and the loss, softmax_grad_kernel takes them all (_logits, _feature_grad):
     u = s tanh((z + b) / s)               (u = z + b without softcap)
     loss_n = (1 - e)(lse_n - u_{n,y_n}) + e (lse_n - mean_{v<Vr} u_nv) + l lse_n^2,  lse from u
     dloss/du = (1 + 2 l lse) softmax(u) - (1 - e) onehot(y) - e / Vr,   du/dz = 1 - (u / s)^2
-    db = sum_n G_n (the column sums of the chunk's G: _column_sums_kernel)
+    db = sum_n G_n (the column sums of the chunk's G: column_sums_kernel)
 
 The launcher (linear_cross_entropy.py) runs the rows in chunks of n tokens through one (n, V)
 buffer, so the (N, V) logits never exist: cuBLAS writes the chunk's z into the buffer (compute
-dtype, fp32 accumulation), _softmax_grad_kernel turns it into G in place and writes the losses,
+dtype, fp32 accumulation), softmax_grad_kernel turns it into G in place and writes the losses,
 then cuBLAS forms dx of the chunk and adds G.T @ x into an fp32 dw. Each logit is computed once
 (3 GEMMs: z, dx, dw); the elementwise work is two reads and one write of the buffer (one of each
 in the single-read kernel).
 
-_softmax_grad_kernel, one program per row at a time (persistent over rows):
+softmax_grad_kernel, one program per row at a time (persistent over rows):
   pass 1   per-lane running max m and sum s over the real columns with one exp per element
            (s = s * exp(m - z) + 1 when z is a new max, else s + exp(z - m)); lse from the lanes.
   loss     lse - z_y with z_y the stored (rounded) logit, as torch's bf16 path computes it: when
@@ -47,8 +47,8 @@ Single-read kernel (the launcher's use_single_read says when it runs). The secon
 there because exp() needs the row's lse before G can be written. Writing instead
 E_nv = exp(z_nv - c_n), c_n = max of the row's first block (<= the row max), gives
     G = diag(f) E - diag(h) onehot(y),   f_n = g_n / S_n,  S_n = sum_v E_nv,  h_n = g_n
-with ONE scale per row, so the row is read and written once (_exp_rows_kernel), and the scales
-move outside the GEMMs: dx = diag(f) (E @ w) - diag(h) w[y] (_row_scale_kernel, from an fp32 GEMM
+with ONE scale per row, so the row is read and written once (exp_rows_kernel), and the scales
+move outside the GEMMs: dx = diag(f) (E @ w) - diag(h) w[y] (row_scale_kernel, from an fp32 GEMM
 output), dw += E.T @ (f * x) with f * x rounded once to the compute dtype, and dw[y_n] -= h_n x_n
 in fp32 (the launcher). The one-hot term is what dominates G's norm unless p_y is large (1 against
 |p| ~ V^-1/2 for a flat softmax); out of the GEMMs it carries no rounding, where folded into E it
@@ -56,7 +56,7 @@ would carry two (E_y - S and f * x). When p_y >= 1/2 the one-hot is folded in in
     E_{n,y_n} = E_y - S_n             (from the fp32 exp of z_y, so that p_y ~ 1 does not cancel)
 since there G_y = g (p_y - 1) is small and f E_y ~ g would lose it. The rounding of f * x stays
 one more than torch's path has, on the softmax part of G only. Out of E, the one-hot costs a sort
-of the targets and two launches a call (_one_hot_pieces_kernel, _one_hot_runs_kernel: 2-3 % of
+of the targets and two launches a call (one_hot_pieces_kernel, one_hot_runs_kernel: 2-3 % of
 the call, bench/RESULTS.md#fused-loss), so the launcher takes it (HOT) only where dw is
 rounded to 16 bits at the end, where the two folded roundings pass torch's error; an fp32 dw (the
 master weight) keeps the fold on every row, h unused, its error then torch's.
@@ -149,7 +149,7 @@ def _feature_grad(
 
 
 @triton.jit
-def _softmax_grad_kernel(
+def softmax_grad_kernel(
     z_ptr,  # (n, V) logits of the chunk, compute dtype; overwritten by G when WRITE_G
     y_ptr,  # (n,) int64 targets
     g_ptr,  # (1,) or (n,) fp32 gradient weight(s)
@@ -237,7 +237,7 @@ def _softmax_grad_kernel(
 
 
 @triton.jit
-def _exp_rows_kernel(
+def exp_rows_kernel(
     z_ptr,  # (n, V) logits of the chunk; overwritten by E (the one-hot folded in: HOT)
     y_ptr,  # (n,) int64
     g_ptr,  # (1,) or (n,) fp32
@@ -299,7 +299,7 @@ def _exp_rows_kernel(
 
 
 @triton.jit
-def _row_scale_kernel(
+def row_scale_kernel(
     src_ptr,  # (n, D) fp32 or compute dtype: E @ w (fp32) or x of the chunk
     f_ptr,  # (n,) fp32 row scales
     out_ptr,  # (n, D) out: f * src (- h * w[y] when HOT) in fp32, rounded once to out's dtype
@@ -334,7 +334,7 @@ def _run_sum(a, a_starts, b, b_starts):
 
 
 @triton.jit
-def _one_hot_pieces_kernel(
+def one_hot_pieces_kernel(
     acc_ptr,  # (b - a, D) fp32: rows [a, b) of dw, less sum_{n: y_n = v} h_n x_n at row v - a
     part_ptr,  # (blocks, 2, D) fp32 out: a block's sums of the runs that cross its ends
     x_ptr,  # (N, D)
@@ -352,7 +352,7 @@ def _one_hot_pieces_kernel(
     of R sorted positions gathers their rows h_n x_n and sums each run of equal targets with a
     segmented scan (a fixed tree order); a run inside the block is subtracted from its dw row at
     once, the pieces of a run that crosses the block's first or last position go to
-    part[block, 0] (it began before) or [block, 1] (it goes on), for _one_hot_runs_kernel to add
+    part[block, 0] (it began before) or [block, 1] (it goes on), for one_hot_runs_kernel to add
     up. No atomics, a fixed order: the same sums every call, and a frequent target (a run of
     thousands) is summed by many blocks, not one program."""
     blk = tl.program_id(0)
@@ -387,9 +387,9 @@ def _one_hot_pieces_kernel(
 
 
 @triton.jit
-def _one_hot_runs_kernel(
-    acc_ptr,  # (b - a, D) fp32, as in _one_hot_pieces_kernel
-    part_ptr,  # (blocks, 2, D) fp32 from _one_hot_pieces_kernel
+def one_hot_runs_kernel(
+    acc_ptr,  # (b - a, D) fp32, as in one_hot_pieces_kernel
+    part_ptr,  # (blocks, 2, D) fp32 from one_hot_pieces_kernel
     ys_ptr,  # (N,) int32 targets, sorted
     N,
     D,
@@ -432,7 +432,7 @@ def _one_hot_runs_kernel(
 
 
 @triton.jit
-def _scale_kernel(src_ptr, g_ptr, dst_ptr, numel, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+def scale_kernel(src_ptr, g_ptr, dst_ptr, numel, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """dst = src * g, g a 1-element fp32 tensor; the product is formed in fp32, rounded once.
     dst may be src (each element is read and written by the same program)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -443,7 +443,7 @@ def _scale_kernel(src_ptr, g_ptr, dst_ptr, numel, BLOCK: tl.constexpr, INTERPRET
 
 
 @triton.jit
-def _column_sums_kernel(
+def column_sums_kernel(
     z_ptr,  # (n, V) G of the chunk, or E when HAS_F (G = diag(f) E)
     f_ptr,  # (n,) fp32 row scales, when HAS_F
     out_ptr,  # (V,) fp32: the bias gradient, set (first chunk) or added to (ACCUMULATE)

@@ -188,8 +188,8 @@ step = dict(tables, wds="*fp32", **blocks, scale_ptr="*fp32", T="i32",
             **{k: "fp32" for k in ("lr", "beta1", "beta2", "eps", "step_size", "bc2_sqrt")})
 norm = dict(tables, **blocks, partial="*fp32", T="i32")
 print(json.dumps({f"{name} {aligned}": build(fn, sig, aligned)
-                  for name, fn, sig in (("adamw", adamw._adamw_kernel, step),
-                                        ("sumsq", adamw._sumsq_kernel, norm))
+                  for name, fn, sig in (("adamw", adamw.adamw_kernel, step),
+                                        ("sumsq", adamw.sumsq_kernel, norm))
                   for aligned in (True, False)}))
 """
 

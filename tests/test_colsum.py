@@ -80,7 +80,7 @@ for three in (True, False):
     BN = 256  # what _launch picks for C = 768 (three) and N = 3072
     BM = cfg["tile"] // BN
     consts = dict(ROWS=8 * BM, BM=BM, BN=BN, THREE=three)
-    src = ASTSource(fn=colsum._partial_sums_kernel,
+    src = ASTSource(fn=colsum.partial_sums_kernel,
                     signature=dict(sig, **{k: "constexpr" for k in consts}),
                     constexprs=consts, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),

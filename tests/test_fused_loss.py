@@ -22,7 +22,7 @@ needs_kernels = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["two_reads", "single_read"])
 def row_kernel(request, monkeypatch):
-    """Every test runs with both row kernels (_softmax_grad_kernel, _exp_rows_kernel)."""
+    """Every test runs with both row kernels (softmax_grad_kernel, exp_rows_kernel)."""
     for cfg in fl.LAUNCH.values():
         monkeypatch.setitem(cfg, "single_read", request.param)
     return request.param
@@ -633,7 +633,7 @@ def _one_hot_out(e, f, h, t):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_single_read_with_the_cublas_logits_gemm(dtype, monkeypatch, row_kernel):
-    # The chunk GEMM then _exp_rows_kernel: the path where exp_gemm does not apply (before
+    # The chunk GEMM then exp_rows_kernel: the path where exp_gemm does not apply (before
     # Hopper, unaligned shapes), bf16 included
     if not row_kernel:
         pytest.skip("single read only")

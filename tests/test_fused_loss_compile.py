@@ -34,7 +34,7 @@ def build(fn, sig, consts, num_warps):
     return v4, b16
 
 
-# _softmax_grad_kernel's options (bias, softcap, ...), after its ints; off unless a key says
+# softmax_grad_kernel's options (bias, softcap, ...), after its ints; off unless a key says
 OPTION_ARGS = {"b_ptr": "*fp32", "lse_ptr": "*fp32", "softcap": "fp32", "z_loss": "fp32",
                "smoothing": "fp32"}
 OPTIONS_OFF = dict(HAS_BIAS=False, SOFTCAP=False, Z_LOSS=False, SMOOTH=False, WRITE_LSE=False)
@@ -52,32 +52,32 @@ for write_g in (True, False):
     for dt in ("bf16", "fp32"):
         c = dict(G_PER_ROW=not write_g, WRITE_G=write_g, BV=4096, INTERPRETED=False)
         out[f"softmax_grad {dt} write_g={write_g}"] = build(
-            kernels._softmax_grad_kernel, row_sig(dt, False), dict(c, **OPTIONS_OFF), 8)
+            kernels.softmax_grad_kernel, row_sig(dt, False), dict(c, **OPTIONS_OFF), 8)
         if write_g and dt == "bf16":  # every option on
             on = {k: True for k in OPTIONS_OFF}
             out["softmax_grad bf16 options"] = build(
-                kernels._softmax_grad_kernel, row_sig(dt, False), dict(c, **on), 8)
+                kernels.softmax_grad_kernel, row_sig(dt, False), dict(c, **on), 8)
         c["REBASE"] = 60.0
         for hot in (False, True) if write_g else (False,):  # the one-hot out of E or folded in
             out[f"exp_rows {dt} write_g={write_g} hot={hot}"] = build(
-                kernels._exp_rows_kernel, row_sig(dt, True), dict(c, HOT=hot), 8)
+                kernels.exp_rows_kernel, row_sig(dt, True), dict(c, HOT=hot), 8)
 for src in ("fp32", "bf16"):
     sig = {"src_ptr": f"*{src}", "f_ptr": "*fp32", "out_ptr": "*bf16", "w_ptr": "*bf16",
            "y_ptr": "*i64", "h_ptr": "*fp32", "D": "i32"}
     consts = dict(HOT=src == "fp32", BD=256, INTERPRETED=False)
-    out[f"row_scale {src}"] = build(kernels._row_scale_kernel, sig, consts, 4)
+    out[f"row_scale {src}"] = build(kernels.row_scale_kernel, sig, consts, 4)
 hot_cfg = fl.LAUNCH["cuda"]
 blk = dict(R=hot_cfg["one_hot_rows"], BD=hot_cfg["one_hot_cols"])
 ptrs = {"acc_ptr": "*fp32", "part_ptr": "*fp32", "x_ptr": "*bf16", "ys_ptr": "*i32",
         "order_ptr": "*i64", "h_ptr": "*fp32"}
 ints = {n: "i32" for n in ("N", "D", "a", "b")}
-out["one_hot pieces"] = build(kernels._one_hot_pieces_kernel, ptrs | ints, blk, 4)
+out["one_hot pieces"] = build(kernels.one_hot_pieces_kernel, ptrs | ints, blk, 4)
 ptrs = {"acc_ptr": "*fp32", "part_ptr": "*fp32", "ys_ptr": "*i32"}
-out["one_hot runs"] = build(kernels._one_hot_runs_kernel, ptrs | ints | {"blocks": "i32"},
+out["one_hot runs"] = build(kernels.one_hot_runs_kernel, ptrs | ints | {"blocks": "i32"},
                             dict(blk, S=hot_cfg["one_hot_steps"]), 4)
 for dt in ("bf16", "fp32"):
     sig = {"src_ptr": f"*{dt}", "g_ptr": "*fp32", "dst_ptr": f"*{dt}", "numel": "i32"}
-    out[f"scale {dt}"] = build(kernels._scale_kernel, sig, dict(BLOCK=4096, INTERPRETED=False), 4)
+    out[f"scale {dt}"] = build(kernels.scale_kernel, sig, dict(BLOCK=4096, INTERPRETED=False), 4)
 print(json.dumps(out))
 """
 
@@ -122,7 +122,7 @@ for vocab in (50304, 50257):
                     "smoothing": "fp32"}
             consts |= dict(HAS_BIAS=False, SOFTCAP=False, Z_LOSS=False, SMOOTH=False,
                            WRITE_LSE=False)
-        fn = kernels._exp_rows_kernel if single else kernels._softmax_grad_kernel
+        fn = kernels.exp_rows_kernel if single else kernels.softmax_grad_kernel
         src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}),
                         constexprs=consts, attrs=attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
@@ -176,7 +176,7 @@ out = {}
 for options in (False, True):  # the default, and a bias and softcap in the epilogue
     consts = dict(REBASE=exp_gemm.REBASE, HAS_BIAS=options, SOFTCAP=options, ALL_ROWS=options,
                   BM=BM, BN=BN, BK=BK, PROGRAMS=132, INTERPRETED=False)
-    src = ASTSource(fn=exp_gemm._exp_logits_kernel, constexprs=consts,
+    src = ASTSource(fn=exp_gemm.exp_logits_kernel, constexprs=consts,
                     signature=dict(sig, **{k: "constexpr" for k in consts}))
     k = triton.compile(src, target=TARGET,
                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
@@ -196,14 +196,14 @@ fin |= {n: "i32" for n in ("V", "T", "stride_e", "vocab_size", "ignore_index")}
 for options, hot in ((False, False), (False, True), (True, True)):
     consts = dict(REBASE=exp_gemm.REBASE, BN=BN, BT=256, G_PER_ROW=False, WRITE_G=True, HOT=hot,
                   SOFTCAP=options, Z_LOSS=options, WRITE_LSE=options, INTERPRETED=False)
-    triton.compile(ASTSource(fn=exp_gemm._exp_finish_kernel, constexprs=consts,
+    triton.compile(ASTSource(fn=exp_gemm.exp_finish_kernel, constexprs=consts,
                              signature=dict(fin, **{k: "constexpr" for k in consts})),
                    target=TARGET)
 tgt = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*i64", c_ptr="*fp32", b_ptr="*fp32",
            softcap="fp32", D="i32", vocab_size="i32", ignore_index="i32")
 for options in (False, True):
     consts = dict(BD=2048, HAS_BIAS=options, SOFTCAP=options)
-    triton.compile(ASTSource(fn=exp_gemm._target_logit_kernel, constexprs=consts,
+    triton.compile(ASTSource(fn=exp_gemm.target_logit_kernel, constexprs=consts,
                              signature=dict(tgt, **{k: "constexpr" for k in consts})),
                    target=TARGET)
 print(json.dumps(out))

@@ -180,7 +180,7 @@ for k in (1600, 6400):
                   LN_BIAS=True, GELU=k == 1600, RESIDUAL=k == 6400, KV=k == 1600, HEAD=64,
                   PDL=True, INTERPRETED=False)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n][0] == "*"}
-    src = ASTSource(fn=gemv._gemv_kernel, signature=dict(sig, **{c: "constexpr" for c in consts}),
+    src = ASTSource(fn=gemv.gemv_kernel, signature=dict(sig, **{c: "constexpr" for c in consts}),
                     constexprs=consts, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=gemv.NUM_WARPS)).asm["ptx"]

@@ -30,7 +30,7 @@ OPTIONS = {
 
 @pytest.fixture(params=["two_reads", "epilogue", "fp32"])
 def path(request, monkeypatch):
-    """The kernel path: bf16 through _softmax_grad_kernel, bf16 through exp_gemm's epilogue
+    """The kernel path: bf16 through softmax_grad_kernel, bf16 through exp_gemm's epilogue
     (label smoothing still takes the two-read kernel there), fp32 (two reads)."""
     for cfg in fl.LAUNCH.values():
         monkeypatch.setitem(cfg, "single_read", request.param == "epilogue")

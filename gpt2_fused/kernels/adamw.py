@@ -54,7 +54,7 @@ def _address(ptrs, i, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _sumsq_kernel(ptrs, numels, block_tensor, block_start, partial, T, BLOCK: tl.constexpr,
+def sumsq_kernel(ptrs, numels, block_tensor, block_start, partial, T, BLOCK: tl.constexpr,
                   ALIGNED: tl.constexpr):  # fmt: skip
     """partial[block] = sum of the squares of the block's grads (row 1 of ptrs)."""
     t, offs, mask = _locate(block_tensor, block_start, numels, BLOCK, ALIGNED)
@@ -63,7 +63,7 @@ def _sumsq_kernel(ptrs, numels, block_tensor, block_start, partial, T, BLOCK: tl
 
 
 @triton.jit
-def _adamw_kernel(ptrs, numels, wds, block_tensor, block_start, scale_ptr, T, lr, beta1,
+def adamw_kernel(ptrs, numels, wds, block_tensor, block_start, scale_ptr, T, lr, beta1,
                   beta2, eps, step_size, bc2_sqrt, BLOCK: tl.constexpr,
                   ALIGNED: tl.constexpr):  # fmt: skip
     """One AdamW update of one block (module docstring); step_size = lr / (1 - beta1^t),
@@ -177,7 +177,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
             return torch.zeros((), device=self.param_groups[0]["params"][0].device)
         ptrs, numels, _, aligned, block_tensor, block_start = self._prepare(live)
         partial = torch.empty(block_tensor.numel(), device=ptrs.device, dtype=torch.float32)
-        _sumsq_kernel[(block_tensor.numel(),)](
+        sumsq_kernel[(block_tensor.numel(),)](
             ptrs, numels, block_tensor, block_start, partial, len(live), BLOCK=BLOCK,
             ALIGNED=aligned, num_warps=NUM_WARPS,
         )  # fmt: skip
@@ -207,7 +207,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         scale = self.grad_scale
         if scale is None:
             scale = torch.ones((), device=ptrs.device)
-        _adamw_kernel[(block_tensor.numel(),)](
+        adamw_kernel[(block_tensor.numel(),)](
             ptrs, numels, wds, block_tensor, block_start, scale, len(live), lr, beta1, beta2,
             eps, lr / (1 - beta1**t), (1 - beta2**t) ** 0.5, BLOCK=BLOCK, ALIGNED=aligned,
             num_warps=NUM_WARPS,

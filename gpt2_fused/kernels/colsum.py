@@ -11,9 +11,9 @@ gradients as [dq | dk | dv] for the weight-gradient GEMMs (the copy walks rows, 
 so the three are read twice; these two passes reach ~3.4 TB/s at both widths
 (bench/RESULTS.md#attention).
 
-Pass 1 (_partial_sums_kernel): program (j, p) reads rows [p R, (p + 1) R) of the BN columns of
+Pass 1 (partial_sums_kernel): program (j, p) reads rows [p R, (p + 1) R) of the BN columns of
 block j, 2 BM rows at a time, stores them to the concatenation when it is asked for, and writes
-their fp32 sums to partial row p. Pass 2 (_finish_kernel) adds the P partial rows up. The order
+their fp32 sums to partial row p. Pass 2 (finish_kernel) adds the P partial rows up. The order
 of the additions is fixed, so the result is the same from run to run (no atomics). Under the CPU
 interpreter the same kernels run (16-bit values are only loaded, stored and widened to fp32).
 colsum_reference / qkv_grad_reference are the same in torch.
@@ -36,7 +36,7 @@ LAUNCH = {
 
 
 @triton.jit
-def _partial_sums_kernel(
+def partial_sums_kernel(
     a_ptr,  # (M, C) the first (or only) part
     b_ptr,  # (M, C) the second, when THREE
     c_ptr,  # (M, C) the third, when THREE
@@ -85,7 +85,7 @@ def _partial_sums_kernel(
 
 
 @triton.jit
-def _finish_kernel(part_ptr, out_ptr, P, N, BP: tl.constexpr, BN: tl.constexpr):
+def finish_kernel(part_ptr, out_ptr, P, N, BP: tl.constexpr, BN: tl.constexpr):
     """out (N,) fp32 = the sum of the P partial rows, in row order."""
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     acc = tl.zeros((BP, BN), tl.float32)
@@ -118,13 +118,13 @@ def _launch(parts, M, C, three):
     partial = torch.empty((P, N), device=a.device, dtype=torch.float32)
     cat = torch.empty((M, N), device=a.device, dtype=a.dtype) if three else partial
     b, c = (parts[1], parts[2]) if three else (a, a)
-    _partial_sums_kernel[(blocks, P)](
+    partial_sums_kernel[(blocks, P)](
         a, b, c, cat, partial, M, C, a.stride(0), ROWS=rows, BM=BM, BN=BN, THREE=three,
         num_warps=cfg["num_warps"],
     )  # fmt: skip
     sums = torch.empty(N, device=a.device, dtype=torch.float32)
     BN2 = min(64, triton.next_power_of_2(N))  # 36 programs for c_attn's 2304 columns
-    _finish_kernel[(triton.cdiv(N, BN2),)](
+    finish_kernel[(triton.cdiv(N, BN2),)](
         partial, sums, P, N, BP=min(32, triton.next_power_of_2(P)), BN=BN2
     )
     return (cat if three else None), sums

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from gpt2_fused.kernels.device import num_sms
 from gpt2_fused.kernels.interpreter import to_dtype
 
 ELEMENTS = 8192  # weight elements a program loads (BLOCK_N rows of KP): 16 KB of bf16
@@ -39,7 +40,7 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _gemv_kernel(
+def gemv_kernel(
     x_ptr,  # (K,) the input row
     w_ptr,  # (N, K) contiguous
     b_ptr,  # (N,) bias, when HAS_BIAS
@@ -106,7 +107,7 @@ def block_n(n, k, device):
     """Rows per program: ELEMENTS weights (at least one row), halved while fewer than two
     programs per SM would be left."""
     cuda = device.type == "cuda"
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 132
+    sms = num_sms(device.index) if cuda else 132
     block = max(1, ELEMENTS // triton.next_power_of_2(k))
     while block > 1 and triton.cdiv(n, block) < 2 * sms:
         block //= 2
@@ -206,7 +207,7 @@ def launch(x, w, b, r, ln_w, ln_b, eps, gelu, out_dtype, kv=None):
     y = torch.empty(n, dtype=out_dtype, device=x.device)
     bn = block_n(n, k, x.device)
     use_pdl = pdl(x.device)
-    _gemv_kernel[(triton.cdiv(n, bn),)](
+    gemv_kernel[(triton.cdiv(n, bn),)](
         x.contiguous(),
         w,
         *(w if t is None else t.contiguous() for t in (b, r, ln_w, ln_b)),  # w: no such input
