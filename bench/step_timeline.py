@@ -29,8 +29,9 @@ GPU_CATS = ("kernel", "gpu_memset", "gpu_memcpy")
 def kind(name):
     """A kernel's family, for the per-kind table."""
     n = name.lower()
-    for key, label in (("nvjet", "cuBLAS GEMM"), ("gemm", "cuBLAS GEMM"), ("sm90_xmma", "cuBLAS GEMM"),
-                       ("cudnn", "cuDNN attention"), ("fmha", "cuDNN attention"),
+    for key, label in (("nvjet", "cuBLAS GEMM"), ("gemm", "cuBLAS GEMM"),
+                       ("sm90_xmma", "cuBLAS GEMM"), ("cudnn", "cuDNN attention"),
+                       ("fmha", "cuDNN attention"),
                        ("adamw", "AdamW"), ("sumsq", "AdamW"), ("triton", "Triton (Inductor)"),
                        ("memcpy", "copy"), ("memset", "set")):  # fmt: skip
         if key in n:
