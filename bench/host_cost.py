@@ -6,7 +6,9 @@ At shapes so small that the GPU finishes each kernel before the host issues the 
 width 64, bf16), the wall time of a call is its host time: what it costs the eager path and the
 compiled default path (which calls our ops through the dispatcher) every time a step runs them.
 A replayed CUDA graph has none of it. Each line: median over 5 rounds of `--calls` calls,
-synchronised at the end of each round; "fwd+bwd" runs the op under autograd and its backward.
+synchronised at the end of each round; "fwd+bwd" runs the op under autograd and its backward;
+"compiled caller" calls it from a torch.compile'd function (Dynamo's guards and Inductor's
+wrapper included), the way the default training step calls it.
 """
 
 import argparse
@@ -36,6 +38,12 @@ def per_call_us(fn, calls, rounds=5):
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) / calls * 1e6)
     return statistics.median(times)
+
+
+def compiled(op, *args):
+    """A call of op(*args) from a torch.compile'd function, as the training step makes it."""
+    fn = torch.compile(lambda *a: op(*a), fullgraph=True)
+    return lambda: fn(*args)
 
 
 def cases():
@@ -80,13 +88,18 @@ def cases():
             x, w_fc_c.t(), out, bias=b_fc_c, aux=h, epilogue=cublaslt.EPI_GELU_AUX_BIAS
         ),
         "colsum op": lambda: colsum.colsum(h),
+        "colsum op, compiled caller": compiled(colsum.colsum, h),
         "qkv_grad op": lambda: colsum.qkv_grad(*parts),
+        "qkv_grad op, compiled caller": compiled(colsum.qkv_grad, *parts),
         "dgelu_mm op": lambda: mlp.dgelu_mm(x, w_pr_c, h),
         "mlp_gelu op (fwd)": mlp_fwd,
         "mlp_gelu fwd+bwd": fwd_bwd(lambda: mlp.mlp_cublaslt(xg, *params, residual=r)),
         "attention fwd+bwd": fwd_bwd(lambda: attention.attention_fast(x3, w_at, b_at, HEADS)),
         "proj_residual fwd+bwd": fwd_bwd(
             lambda: attention.proj_residual_fast(x3, w_cp, b_cp, r.view(2, M // 2, D))
+        ),
+        "mlp_gelu fwd+bwd, compiled caller": fwd_bwd(
+            torch.compile(lambda: mlp.mlp_cublaslt(xg, *params, residual=r))
         ),
         "fused loss fwd+bwd": fwd_bwd(lambda: fused_linear_cross_entropy(xg, w_lm, y)),
         "torch F.linear + cross_entropy fwd+bwd": fwd_bwd(

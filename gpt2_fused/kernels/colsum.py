@@ -17,11 +17,16 @@ their fp32 sums to partial row p. Pass 2 (finish_kernel) adds the P partial rows
 of the additions is fixed, so the result is the same from run to run (no atomics). Under the CPU
 interpreter the same kernels run (16-bit values are only loaded, stored and widened to fp32).
 colsum_reference / qkv_grad_reference are the same in torch.
+Both ops are torch.library.triton_ops: called eagerly they launch the kernels themselves; inside
+torch.compile's region (the training step's backward) Inductor sees through them and launches
+the kernels from its own generated code, without the dispatcher's and Triton's Python launcher's
+~100 us a call (bench/RESULTS.md#host-cost).
 """
 
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 from gpt2_fused.kernels.device import num_sms
 
@@ -118,13 +123,13 @@ def _launch(parts, M, C, three):
     partial = torch.empty((P, N), device=a.device, dtype=torch.float32)
     cat = torch.empty((M, N), device=a.device, dtype=a.dtype) if three else partial
     b, c = (parts[1], parts[2]) if three else (a, a)
-    partial_sums_kernel[(blocks, P)](
+    wrap_triton(partial_sums_kernel)[(blocks, P)](
         a, b, c, cat, partial, M, C, a.stride(0), ROWS=rows, BM=BM, BN=BN, THREE=three,
         num_warps=cfg["num_warps"],
     )  # fmt: skip
     sums = torch.empty(N, device=a.device, dtype=torch.float32)
     BN2 = min(64, triton.next_power_of_2(N))  # 36 programs for c_attn's 2304 columns
-    finish_kernel[(triton.cdiv(N, BN2),)](
+    wrap_triton(finish_kernel)[(triton.cdiv(N, BN2),)](
         partial, sums, P, N, BP=min(32, triton.next_power_of_2(P)), BN=BN2
     )
     return (cat if three else None), sums
@@ -141,19 +146,14 @@ def _check_2d(name, *ts):
                              f"{[u.stride() for u in ts]}")  # fmt: skip
 
 
-@torch.library.custom_op("gpt2_fused::colsum", mutates_args=())
+@triton_op("gpt2_fused::colsum", mutates_args=())
 def colsum(t: torch.Tensor) -> torch.Tensor:
     """The column sums of t (M, N), row-major, in fp32."""
     _check_2d("colsum", t)
     return _launch((t,), t.shape[0], t.shape[1], three=False)[1]
 
 
-@colsum.register_fake
-def _(t):
-    return t.new_empty(t.shape[1], dtype=torch.float32)
-
-
-@torch.library.custom_op("gpt2_fused::qkv_grad", mutates_args=())
+@triton_op("gpt2_fused::qkv_grad", mutates_args=())
 def qkv_grad(
     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,12 +162,6 @@ def qkv_grad(
     _check_2d("qkv_grad", dq, dk, dv)
     M, C = dq.shape
     return _launch((dq, dk, dv), M, C, three=True)
-
-
-@qkv_grad.register_fake
-def _(dq, dk, dv):
-    M, C = dq.shape
-    return dq.new_empty((M, 3 * C)), dq.new_empty(3 * C, dtype=torch.float32)
 
 
 def colsum_reference(t):
