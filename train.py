@@ -207,13 +207,16 @@ def sample_text(run, step):
     return get_tokenizer().decode(out[0, 1:].tolist())
 
 
-def compile_and_wrap(run, use_compile):
+def compile_and_wrap(run, use_compile, grad_accum):
     """Set run.model, the (compiled) model that evaluates, and run.train_model, the one that
     trains (in DDP under torchrun). ddp_compile="ddp" compiles the DDP module: one module for
-    both. Under FSDP2 raw_model is sharded already (run.shard.shard_model): no DDP."""
+    both. Under FSDP2 raw_model is sharded already (run.shard.shard_model): no DDP. Under CUDA
+    graphs (one process: sharding.mode) with several micro-batches a step, the grads get buffers
+    of their own (keep_grads); with one, each step's grads are the backward graph's outputs, set
+    to None before the next replay: no add into buffers, no zeroing (RESULTS.md#cuda-graphs)."""
     cfg, procs, raw_model = run.cfg, run.procs, run.raw_model
     compiled = functools.partial(torch.compile, mode=cfg.compile_mode)
-    run.keep_grads = use_compile and uses_cuda_graphs(cfg.compile_mode)  # no DDP (sharding.mode)
+    run.keep_grads = use_compile and uses_cuda_graphs(cfg.compile_mode) and grad_accum > 1
     if run.keep_grads:
         keep_grads(raw_model)
     # gradients as views into DDP's all-reduce buckets: one copy of them, not two
@@ -367,7 +370,7 @@ def main(argv=None, train_loader=DataLoader):
                     return
         if use_compile:  # compilation is lazy (first step, first eval): patched until the end
             compile_settings.enter_context(compiler_settings(cfg))
-        compile_and_wrap(run, use_compile)
+        compile_and_wrap(run, use_compile, grad_accum)
 
         tokens_per_step = cfg.batch_size * T * world_size * grad_accum
         flops_per_step = raw_model.flops_per_token() * tokens_per_step

@@ -737,6 +737,37 @@ def test_gpu_cuda_graphs_accumulate_gradients_as_eager_mode_does():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_graphs_one_micro_batch_a_step_without_kept_grads():
+    """One micro-batch a step, train.py's default: no kept grads, each step's grads are the
+    backward graph's outputs, set to None before the next step. At the warm-up, the recording and
+    two replays, with an evaluation's forward between steps as train.py makes it, they are eager
+    mode's on the same batch."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=512, padded_vocab_size=512, n_layer=2, n_head=2, n_embd=64,
+                    block_size=64)  # fmt: skip
+    model = GPT(cfg).cuda()
+    batches = [torch.randint(0, 512, (4, 65), device="cuda") for _ in range(4)]
+
+    def grads(fn, b):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn(b[:, :-1], b[:, 1:])
+        loss.backward()
+        return [p.grad for p in model.parameters()]  # read before the next step, as AdamW does
+
+    ref = [[g.clone() for g in grads(model, b)] for b in batches]
+    compiled = torch.compile(model, mode="reduce-overhead")
+    for b, r in zip(batches, ref, strict=True):
+        got = grads(compiled, b)
+        assert model.transformer.wte.weight.grad is not None
+        for g, e in zip(got, r, strict=True):
+            assert torch.linalg.vector_norm(g - e) <= 0.03 * torch.linalg.vector_norm(e)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            compiled(b[:, :-1], b[:, 1:])  # an evaluation between steps
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("loss_impl", ["torch", "fast"])
 def test_gpu_compiled_xl_width_step_matches_eager(loss_impl):
     """GPT-2 XL's width (1600, 25 heads), 2 layers, fp32 weights under bf16 autocast, compiled
