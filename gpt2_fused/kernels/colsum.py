@@ -121,7 +121,9 @@ def _launch(parts, M, C, three):
     rows = 2 * BM * triton.cdiv(triton.cdiv(M, splits), 2 * BM)
     P = triton.cdiv(M, rows)
     partial = torch.empty((P, N), device=a.device, dtype=torch.float32)
-    cat = torch.empty((M, N), device=a.device, dtype=a.dtype) if three else partial
+    # not written unless three; its own (empty) tensor rather than partial again, so that no
+    # tensor is two of the kernel's arguments when Inductor functionalises the launch
+    cat = torch.empty((M, N) if three else (0,), device=a.device, dtype=a.dtype)
     b, c = (parts[1], parts[2]) if three else (a, a)
     wrap_triton(partial_sums_kernel)[(blocks, P)](
         a, b, c, cat, partial, M, C, a.stride(0), ROWS=rows, BM=BM, BN=BN, THREE=three,
