@@ -704,6 +704,15 @@ def test_gpu_train_main_compiled_with_checks(tiny_args, tmp_path, capsys, mode):
     assert sorted(losses) == list(range(8)) and sorted(vals) == [0, 2, 4, 6, 8]
 
 
+def small_cuda_model_and_batches(n):
+    """A 2-layer GPT on the GPU (seed 0) and n batches of 4 x 65 tokens (inputs and targets)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=512, padded_vocab_size=512, n_layer=2, n_head=2, n_embd=64,
+                    block_size=64)  # fmt: skip
+    batches = [torch.randint(0, 512, (4, 65), device="cuda") for _ in range(n)]
+    return GPT(cfg).cuda(), batches
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_graphs_accumulate_gradients_as_eager_mode_does():
@@ -711,11 +720,7 @@ def test_gpu_cuda_graphs_accumulate_gradients_as_eager_mode_does():
     keeps them (compile_guard.keep_grads): their sum is eager mode's, at the warm-up, recording
     and replaying calls alike. Without kept grads the second micro-batch's replay overwrites the
     first one's (pytorch/pytorch#169545)."""
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=512, padded_vocab_size=512, n_layer=2, n_head=2, n_embd=64,
-                    block_size=64)  # fmt: skip
-    model = GPT(cfg).cuda()
-    batches = [torch.randint(0, 512, (4, 65), device="cuda") for _ in range(3)]
+    model, batches = small_cuda_model_and_batches(3)
 
     def grads(fn, keep):
         model.zero_grad(set_to_none=True)
@@ -742,11 +747,7 @@ def test_gpu_cuda_graphs_one_micro_batch_a_step_without_kept_grads():
     backward graph's outputs, set to None before the next step. At the warm-up, the recording and
     two replays, with an evaluation's forward between steps as train.py makes it, they are eager
     mode's on the same batch."""
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=512, padded_vocab_size=512, n_layer=2, n_head=2, n_embd=64,
-                    block_size=64)  # fmt: skip
-    model = GPT(cfg).cuda()
-    batches = [torch.randint(0, 512, (4, 65), device="cuda") for _ in range(4)]
+    model, batches = small_cuda_model_and_batches(4)
 
     def grads(fn, b):
         model.zero_grad(set_to_none=True)
