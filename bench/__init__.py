@@ -9,6 +9,8 @@ several share from bench.common, never from one another. Their results go to ben
     bench_loss_options  the cost of the fused loss's options (softcap, z_loss, bias, smoothing)
     bench_exp_gemm      the logits GEMM with exp in its epilogue against cuBLAS + the row pass
     bench_dw_gemm       dw's accumulation over the fused loss's chunks with bf16 weights
+    step_timeline       the GPU's busy and idle time over train.py's own steps, by kernel kind
+    host_cost           host time per call of each custom op and the pieces inside them
     gpu_gaps            the GPU timeline of one fused-loss fwd+bwd: where the wall time goes
     memory_peak         the allocations alive at the peak of one fused-loss fwd+bwd
     bench_mlp           GPT-2's MLP: torch (eager, compiled) against the cuBLASLt-epilogue op

@@ -263,3 +263,15 @@ def test_shard_memory_takes_each_engines_own_split():
     zero, fsdp = shard_memory.largest_shares("gpt2", 3)
     assert fsdp == (n - 1024 * 768) // 3 + 342 * 768
     assert n / 3 <= zero < n / 3 + 768 * 768 * 4
+
+
+def test_every_benchmark_is_listed_in_the_package_docstring():
+    """bench/__init__.py names each module once, so a newcomer finds them all there."""
+    import pathlib
+    import re
+
+    import bench
+
+    modules = {p.stem for p in pathlib.Path(bench.__file__).parent.glob("*.py")} - {"__init__"}
+    listed = re.findall(r"^    (\w+)  ", bench.__doc__, re.M)
+    assert sorted(listed) == sorted(modules)
