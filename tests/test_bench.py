@@ -1,13 +1,17 @@
 """The benchmark scripts' own arithmetic (no GPU): step statistics, the first-loss check,
 bench_fused_loss's --set parsing, the loss variants' launch settings, bench_adamw's Triton AdamW
-against torch's (in the Triton interpreter, see conftest.py), and parity.py's reference sampler."""
+against torch's (in the Triton interpreter, see conftest.py), parity.py's reference sampler, and
+that bench/__init__ lists every benchmark."""
 
 import json
+import pathlib
+import re
 
 import numpy as np
 import pytest
 import torch
 
+import bench
 from bench import (
     bench_adamw,
     bench_dw_gemm,
@@ -267,11 +271,6 @@ def test_shard_memory_takes_each_engines_own_split():
 
 def test_every_benchmark_is_listed_in_the_package_docstring():
     """bench/__init__.py names each module once, so a newcomer finds them all there."""
-    import pathlib
-    import re
-
-    import bench
-
     modules = {p.stem for p in pathlib.Path(bench.__file__).parent.glob("*.py")} - {"__init__"}
     listed = re.findall(r"^    (\w+)  ", bench.__doc__, re.M)
     assert sorted(listed) == sorted(modules)
