@@ -19,7 +19,7 @@ several share from bench.common, never from one another. Their results go to ben
     bench_gemv          the batch-1 decoding GEMV with its weights from HBM
     bench_adamw         the optimizer step against its memory floor
     bench_fp8           FP8 variants of the training fwd+bwd against bf16
-    bench_ln_fp8        LayerNorm writing its output's FP8 copy in the same pass, against casts
+    bench_fp8_casts     FP8 casts made in LayerNorm / GELU / its gradient against separate ones
     bench_sample        generation speed of the decode modes
     bench_data          data preparation and loader throughput
     shard_memory        per-rank memory of --shard's modes at W ranks

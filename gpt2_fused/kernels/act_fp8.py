@@ -1,0 +1,118 @@
+"""GPT-2's GELU, its gradient, or nothing, with the result cast to FP8 in the same pass (and
+laid out transposed too, for a weight-gradient GEMM): issue 56's casts made where the data is.
+
+    GELU   out = gelu_tanh(h)                     the MLP's hidden activation, for c_proj
+    DGELU  out = g * gelu_tanh'(h)                its gradient, for c_fc's dgrad and wgrad
+    COPY   out = g                                a gradient as it comes (c_proj's dout)
+    q  = saturate(out * scale) in `fp8`           e4m3 for activations, e5m2 for gradients
+    qt = q^T, contiguous (when asked)             torch._scaled_mm reads both operands K-major:
+                                                  dW = dy^T x sums over tokens, so it needs
+                                                  dy^T and x^T laid out along the token axis
+    amax = max(amax, max |out|)                    for the next step's scale (delayed scaling)
+
+A separate cast after an unfused producer reads the bf16 tensor for its amax, again for the
+cast, and again for a transpose; here `h` (and `g`) are read once and only the FP8 bytes are
+written (bench/RESULTS.md#fp8-variants: torchao's casts cost ~1.9 ms a 1558M block). The scale
+is given (the previous step's, from amax): that is what makes it one pass.
+Tiles of BM x BN: each program reads one tile of its inputs and writes it row-major to q and,
+transposed in registers, to qt, so both stores are coalesced. act_fp8_reference is the same in
+torch.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from gpt2_fused.kernels.interpreter import to_dtype
+
+MODES = ("gelu", "dgelu", "copy")
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+@triton.jit
+def act_fp8_kernel(
+    g_ptr,  # (M, N) in: the gradient (DGELU, COPY); unused for GELU
+    h_ptr,  # (M, N) in: the pre-activation (GELU, DGELU); unused for COPY
+    q_ptr,  # (M, N) out, FP8
+    qt_ptr,  # (N, M) out, FP8 (when TRANSPOSED)
+    scale_ptr,  # (1,) fp32 in
+    amax_ptr,  # (1,) fp32 in/out: atomic max
+    M,
+    N,
+    FP8_MAX: tl.constexpr,
+    MODE: tl.constexpr,  # 0 GELU, 1 DGELU, 2 COPY
+    TRANSPOSED: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    if MODE != 2:
+        h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        inner = 0.7978845608028654 * (h + 0.044715 * h * h * h)  # sqrt(2 / pi) (h + c h^3)
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0  # tanh(inner)
+    if MODE == 0:
+        out = 0.5 * h * (1.0 + t)
+    else:
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if MODE == 1:  # d/dh of 0.5 h (1 + tanh(u)), u' = sqrt(2/pi) (1 + 3 c h^2)
+            du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
+            out = g * (0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * du)
+        else:
+            out = g
+    out = tl.where(mask, out, 0.0)
+    scale = tl.load(scale_ptr)
+    q = tl.minimum(tl.maximum(out * scale, -FP8_MAX), FP8_MAX)
+    q = to_dtype(q, q_ptr.dtype.element_ty, INTERPRETED)
+    tl.store(q_ptr + offs, q, mask=mask)
+    if TRANSPOSED:
+        offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
+        tl.store(qt_ptr + offs_t, tl.trans(q), mask=tl.trans(mask))
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(out), axis=1), axis=0))
+
+
+def act_fp8(mode, scale, amax, *, h=None, g=None, fp8=torch.float8_e4m3fn, transposed=False,
+            block=(64, 64)):  # fmt: skip
+    """(q, qt or None): `mode`'s output (module docstring) of h and/or g ((M, N), contiguous,
+    one dtype) times scale ((1,) fp32), saturated and cast to `fp8`; qt = q^T contiguous when
+    `transposed`. amax ((1,) fp32) becomes max(amax, max |output|), in place."""
+    if mode not in MODES:
+        raise ValueError(f"act_fp8: mode must be one of {MODES}, got {mode!r}")
+    ins = [t for t in (h, g) if t is not None]
+    needed = {"gelu": ("h",), "dgelu": ("h", "g"), "copy": ("g",)}[mode]
+    if len(ins) != len(needed) or any({"h": h, "g": g}[n] is None for n in needed):
+        raise ValueError(f"act_fp8: mode {mode!r} takes {' and '.join(needed)}")
+    a = ins[0]
+    if any(t.dim() != 2 or not t.is_contiguous() or t.shape != a.shape for t in ins):
+        raise ValueError("act_fp8: inputs must be contiguous 2-D tensors of one shape")
+    if fp8 not in FP8_MAX:
+        raise ValueError(f"act_fp8: fp8 must be one of {list(FP8_MAX)}, got {fp8}")
+    M, N = a.shape
+    q = torch.empty((M, N), device=a.device, dtype=fp8)
+    qt = torch.empty((N, M), device=a.device, dtype=fp8) if transposed else q
+    BM, BN = block
+    act_fp8_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+        a if g is None else g, a if h is None else h, q, qt, scale, amax, M, N,
+        FP8_MAX=FP8_MAX[fp8], MODE=MODES.index(mode), TRANSPOSED=transposed, BM=BM, BN=BN,
+        INTERPRETED=a.device.type != "cuda", num_warps=4,
+    )  # fmt: skip
+    return q, (qt if transposed else None)
+
+
+def act_fp8_reference(mode, scale, *, h=None, g=None, fp8=torch.float8_e4m3fn):
+    """act_fp8 in torch: (output in fp32, q, max |output| as a 0-dim fp32 tensor)."""
+    if mode == "gelu":
+        out = torch.nn.functional.gelu(h.float(), approximate="tanh")
+    elif mode == "dgelu":
+        hf = h.float().requires_grad_(True)
+        with torch.enable_grad():
+            a = torch.nn.functional.gelu(hf, approximate="tanh")
+        (out,) = torch.autograd.grad(a, hf, g.float())
+    else:
+        out = g.float()
+    top = FP8_MAX[fp8]
+    q = (out * scale.float()).clamp(-top, top).to(fp8)
+    return out, q, out.abs().max()
