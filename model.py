@@ -23,6 +23,7 @@ from torch import nn
 from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
 from gpt2_fused.kernels import attention, cublaslt, gemv
 from gpt2_fused.kernels.mlp import mlp_cublaslt
+from gpt2_fused.kernels.mlp_fp8 import mlp_fp8
 
 # name -> (n_layer, n_head, n_embd); block size 1024, vocab 50257 for all of them.
 _PRESETS = {
@@ -164,6 +165,7 @@ class MLP(nn.Module):
         self.use_cublaslt = (
             config.mlp_impl == "fast" and torch.cuda.is_available() and cublaslt.available()
         )
+        self.fp8_state = None  # an Fp8State under --fp8=fused (gpt2_fused/core/fp8.py)
 
     def forward(self, x, decode=False, residual=None):
         """The MLP of x, plus residual when given (added in c_proj's epilogue where it can be)."""
@@ -196,6 +198,8 @@ class Block(nn.Module):
         if step and not self.training and gemv.applies(x, self.attn.c_attn.weight):
             return self._decode_row(x, cache, layer)
         x = self.attn(self.ln_1(x), cache, layer, residual=x)
+        if self.mlp.fp8_state is not None and cache is None:
+            return _mlp_fp8(x, self.ln_2, self.mlp)
         return self.mlp(self.ln_2(x), decode=cache is not None, residual=x)
 
     def _decode_row(self, x, cache, layer):
@@ -212,6 +216,13 @@ class Block(nn.Module):
         x = gemv.gemv(y, attn.c_proj.weight, attn.c_proj.bias, residual=x)
         h = gemv.gemv(x, mlp.c_fc.weight, mlp.c_fc.bias, gelu=True, ln=_ln_args(self.ln_2))
         return gemv.gemv(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x)
+
+
+@torch.compiler.disable  # its Triton launches and FP8 state stay eager: no graph to fuse into
+def _mlp_fp8(x, ln, mlp):
+    """x + mlp(ln(x)) with FP8 GEMMs and the casts in our kernels (--fp8=fused)."""
+    return mlp_fp8(x, ln, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias,
+                   mlp.fp8_state)  # fmt: skip
 
 
 def _ln_args(ln):

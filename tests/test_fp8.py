@@ -278,7 +278,7 @@ LOSS_TOL = 0.1
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", [*RECIPES, "fused"])
 def test_gpu_fp8_training_follows_bf16_over_20_steps(recipe, tmp_path, capsys):
     """20 steps on the embedded data at n_embd 768, 4 layers, B 8 x T 256 (the model's default
     fast paths, compiled): --fp8=<recipe> and --fp8=off from the same seed log losses within
@@ -311,10 +311,11 @@ def test_gpu_fp8_training_follows_bf16_over_20_steps(recipe, tmp_path, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", [*RECIPES, "fused"])
 def test_gpu_check_passes_and_a_converted_block_matches_bf16(recipe):
     """check() passes on this GPU; a converted 768-wide model's loss is bf16's within FP8's
-    rounding, and its fp32 master weights get gradients."""
+    rounding, and its fp32 master weights get gradients (recipe "fused": the MLPs' only)."""
+    linears = [n for n in BLOCK_LINEARS if recipe != "fused" or ".mlp." in n]
     fp8.check(recipe, "cuda")
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=2, n_head=12, n_embd=768, block_size=256)
@@ -327,7 +328,7 @@ def test_gpu_check_passes_and_a_converted_block_matches_bf16(recipe):
         want, loss = ref(x[:, :-1], x[:, 1:]), model(x[:, :-1], x[:, 1:])
     loss.backward()
     assert abs(loss.item() - want.item()) <= LOSS_TOL
-    for name in BLOCK_LINEARS:
+    for name in linears:
         w = model.get_submodule(name).weight
         assert w.dtype == torch.float32 and w.grad is not None and w.grad.isfinite().all()
 
@@ -366,3 +367,10 @@ def test_gpu_fsdp2_float8_all_gather_follows_unsharded_fp8(tmp_path):
     model, ckpt = model_io.from_checkpoint(tmp_path / "fsdp")
     assert all(type(t) is torch.Tensor for t in ckpt["model"].values())
     assert not any(isinstance(m, Float8Linear) for m in model.modules())
+
+
+def test_check_fused_needs_no_torchao_but_a_gpu(monkeypatch):
+    """--fp8=fused runs our kernels, not torchao's: on a CPU it stops in one line."""
+    monkeypatch.setitem(sys.modules, "torchao", None)  # not importable: never asked for
+    with pytest.raises(ValueError, match="fp8='fused' needs a CUDA GPU"):
+        fp8.check("fused", "cpu")

@@ -67,3 +67,41 @@ def test_delayed_scale_comes_from_the_last_call():
         y = torch.nn.functional.layer_norm(x, (64,), ln.weight, ln.bias, ln.eps)
     torch.testing.assert_close(state.amax[0], y.abs().max(), rtol=1e-5, atol=1e-6)
     assert state.amax[0] > 2 * first[0] and state.amax[1] != first[1]
+
+
+def test_fused_recipe_runs_each_blocks_mlp_half_in_fp8():
+    """fp8.convert(model, "fused"): every block's second half goes through mlp_fp8 (its state
+    fills), the loss and gradients follow the unconverted model's, the state dict's keys stay."""
+    from gpt2_fused.core import fp8
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, padded_vocab_size=256, n_layer=2, n_head=2, n_embd=64,
+                    block_size=32)  # fmt: skip
+    ref = GPT(cfg).to(DEV)
+    model = GPT(cfg).to(DEV)
+    model.load_state_dict(ref.state_dict())
+    names = fp8.convert(model, "fused", False)
+    assert names == [f"transformer.h.{i}.mlp.{n}" for i in (0, 1) for n in ("c_fc", "c_proj")]
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    idx = torch.randint(0, 256, (4, 33), device=DEV)
+    losses = []
+    for m in (ref, model):
+        loss = m(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) < 0.02, losses
+    for block in model.transformer.h:
+        assert sorted(block.mlp.fp8_state.seen) == sorted(NAMES)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert rel(p.grad, q.grad) < 0.15, name
+
+
+def test_fused_recipe_needs_no_dropout():
+    from gpt2_fused.core import fp8
+    from model import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, padded_vocab_size=256, n_layer=1, n_head=2, n_embd=64,
+                    block_size=32, dropout=0.1)  # fmt: skip
+    with pytest.raises(ValueError, match="dropout"):
+        fp8.convert(GPT(cfg), "fused", False)

@@ -49,7 +49,7 @@ class TrainConfig:
     adamw_impl: str = setting("fast", '"fast": one Triton launch (CUDA fp32); "torch": torch.optim')
     # the blocks' Linears on FP8 tensor cores through torchao (gpt2_fused/core/fp8.py); lm_head
     # stays bf16
-    fp8: str = setting("off", '"off", "tensorwise" or "rowwise": FP8 block GEMMs (torchao)')
+    fp8: str = setting("off", '"off", "tensorwise", "rowwise" (torchao) or "fused": FP8 GEMMs')
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
     batch_size: int = setting(8, "micro-batch size per process (sequences)")
     total_batch_size: int = setting(0, "tokens a step over all processes (0: one micro-batch each)")

@@ -11,6 +11,9 @@ raw weights, are off in converted blocks.
 
     tensorwise  one scale per tensor; x and W in e4m3, dy in e5m2; cuBLAS GEMMs, the fastest
     rowwise     one power-of-two scale per row of each operand, all in e4m3; CUTLASS GEMMs
+    fused       not torchao: each block's second half, x + MLP(LN_2(x)), on FP8 GEMMs with every
+                operand cast in the kernel that makes it and delayed tensorwise scales
+                (gpt2_fused/kernels/mlp_fp8.py); attention in bf16 on its fast path
     off         no conversion (bf16 autocast with fp32 master weights, the default)
 
 torch._scaled_mm takes dimensions that are multiples of 16 only, the summed one included: n_embd
@@ -33,7 +36,7 @@ import re
 import torch
 from torch import nn
 
-RECIPES = ("off", "tensorwise", "rowwise")
+RECIPES = ("off", "tensorwise", "rowwise", "fused")
 # torchao 0.17 is the first release built against torch's stable ABI (torch 2.11 and later);
 # older ones must match torch's version exactly. This module is written against 0.18's API.
 MIN_TORCHAO = (0, 17)
@@ -50,6 +53,15 @@ def check(recipe, device):
     a missing kernel (say rowwise on a GPU or torch build without it) stops the run here, not at
     its first step."""
     if recipe == "off":  # the name itself is TrainConfig's to check
+        return
+    if recipe == "fused":
+        name = _check_gpu(recipe, device)
+        try:
+            _tiny_fused_step(torch.device(device))
+        except Exception as e:  # a GPU or torch build without the FP8 GEMM
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"fp8='fused': FP8 GEMMs fail on {name} with torch "
+                             f"{torch.__version__} ({first}): pass --fp8=off") from e  # fmt: skip
         return
     torchao = _import_torchao(recipe)
     ours, theirs = _version(torch.__version__), _version(torchao.__version__)
@@ -74,6 +86,19 @@ def check(recipe, device):
             f"fp8={recipe!r}: torchao {torchao.__version__} lacks the float8 training API used "
             f"here ({e}); written against torchao 0.18: pip install torchao==0.18.0"
         ) from e
+    name = _check_gpu(recipe, device)
+    try:
+        _tiny_step(recipe, device)
+    except Exception as e:  # whatever torch or torchao raise: the run cannot use the recipe
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(
+            f"fp8={recipe!r}: torchao's FP8 GEMMs fail on {name} with torch {torch.__version__}, "
+            f"torchao {torchao.__version__} ({first}): try the other recipe or --fp8=off"
+        ) from e
+
+
+def _check_gpu(recipe, device):
+    """ValueError unless `device` is a CUDA GPU with FP8 tensor cores; its name."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(
@@ -86,14 +111,7 @@ def check(recipe, device):
             f"fp8={recipe!r}: {name} (compute capability {cc[0]}.{cc[1]}) has no FP8 tensor "
             "cores (8.9+: Ada, Hopper, Blackwell): pass --fp8=off"
         )
-    try:
-        _tiny_step(recipe, device)
-    except Exception as e:  # whatever torch or torchao raise: the run cannot use the recipe
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(
-            f"fp8={recipe!r}: torchao's FP8 GEMMs fail on {name} with torch {torch.__version__}, "
-            f"torchao {torchao.__version__} ({first}): try the other recipe or --fp8=off"
-        ) from e
+    return name
 
 
 def convert(model, recipe, fully_sharded):
@@ -105,6 +123,8 @@ def convert(model, recipe, fully_sharded):
     n_embd = model.config.n_embd
     if n_embd % 16:  # torch._scaled_mm: the GEMMs' K and N are multiples of 16
         raise ValueError(f"fp8={recipe!r} needs n_embd divisible by 16, got {n_embd}")
+    if recipe == "fused":
+        return _convert_fused(model)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
@@ -133,6 +153,20 @@ def convert(model, recipe, fully_sharded):
         block.mlp.use_cublaslt = False
         block.attn.use_fast = False
     return converted
+
+
+def _convert_fused(model):
+    """Give each block's MLP an Fp8State: model.Block then runs its second half as mlp_fp8."""
+    from gpt2_fused.kernels.mlp_fp8 import Fp8State
+
+    if model.config.dropout:
+        raise ValueError("fp8='fused' has no dropout in its MLP: needs dropout=0.0")
+    device = model.transformer.wte.weight.device
+    names = []
+    for i, block in enumerate(model.transformer.h):
+        block.mlp.fp8_state = Fp8State(device)
+        names += [f"transformer.h.{i}.mlp.c_fc", f"transformer.h.{i}.mlp.c_proj"]
+    return names
 
 
 def after_optimizer_step(model, recipe, fully_sharded):
@@ -180,6 +214,19 @@ def _tiny_step(recipe, device):
     with torch.autocast(device.type, dtype=torch.bfloat16):
         y = net(x)
     y.float().sum().backward()
+    torch.cuda.synchronize(device)
+
+
+def _tiny_fused_step(device):
+    """One forward and backward of mlp_fp8 at width 32 on `device`."""
+    from gpt2_fused.kernels.mlp_fp8 import Fp8State, mlp_fp8
+
+    ln, fc, proj = nn.LayerNorm(32), nn.Linear(32, 128), nn.Linear(128, 32)
+    for m in (ln, fc, proj):
+        m.to(device)
+    x = torch.randn(16, 32, device=device, requires_grad=True)
+    out = mlp_fp8(x, ln, fc.weight, fc.bias, proj.weight, proj.bias, Fp8State(device))
+    out.float().sum().backward()
     torch.cuda.synchronize(device)
 
 
