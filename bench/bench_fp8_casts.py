@@ -10,8 +10,8 @@ first checked against its torch reference on the same inputs. The unfused paths 
 torch.compile'd torch code with dynamic (just-in-time) tensorwise scaling, as torchao's:
     ln:     LayerNorm -> y (bf16), the e4m3 copy of y          (c_attn's and c_fc's input)
     gelu:   gelu(h) -> a8 (e4m3) and a8^T                      (the MLP's c_proj, fwd and dW)
-    dgelu:  g * gelu'(h) -> dh8 (e5m2) and dh8^T               (c_fc's dgrad and dW)
-    copy:   dout -> e5m2 and its transpose                     (c_proj's dgrad and dW)
+    dgelu:  g * gelu'(h) -> dh8 (e5m2), dh8^T, its column sums  (c_fc's dgrad, dW, db)
+    copy:   dout -> e5m2, its transpose, its column sums       (c_proj's dgrad, dW, db)
 """
 
 import argparse
@@ -57,10 +57,11 @@ def unfused(w, b):
             torch.compile(lambda x: (ln(x), *dynamic_cast(ln(x), E4, False))), "x"),
         "gelu: GELU + dynamic e4m3 cast + transpose": (
             torch.compile(lambda h: dynamic_cast(gelu(h), E4, True)), "h"),
-        "dgelu: GELU grad + dynamic e5m2 cast + transpose": (
-            torch.compile(lambda g, h: dynamic_cast(dgelu(g, h), E5, True)), "gh"),
-        "copy: dynamic e5m2 cast + transpose": (
-            torch.compile(lambda g: dynamic_cast(g, E5, True)), "d"),
+        "dgelu: GELU grad + dynamic e5m2 cast + transpose + bias sum": (
+            torch.compile(lambda g, h: (*dynamic_cast(dgelu(g, h), E5, True),
+                                        dgelu(g, h).float().sum(0))), "gh"),
+        "copy: dynamic e5m2 cast + transpose + bias sum": (
+            torch.compile(lambda g: (*dynamic_cast(g, E5, True), g.float().sum(0))), "d"),
     }  # fmt: skip
 
 
@@ -106,19 +107,21 @@ def main():
         "ln: ln_fp8 rowwise, bf16 y + e4m3 copy": (lambda x: ln_fp8(x, w, b, EPS), "x"),
         "gelu: act_fp8 gelu, e4m3 + transpose": (
             lambda h: act_fp8("gelu", s4, amax, h=h, transposed=True), "h"),
-        "dgelu: act_fp8 dgelu, e5m2 + transpose": (
-            lambda g, h: act_fp8("dgelu", s5, amax, h=h, g=g, fp8=E5, transposed=True), "gh"),
-        "copy: act_fp8 copy, e5m2 + transpose": (
-            lambda d: act_fp8("copy", s5, amax, g=d, fp8=E5, transposed=True), "d"),
+        "dgelu: act_fp8 dgelu, e5m2 + transpose + bias sum": (
+            lambda g, h: act_fp8("dgelu", s5, amax, h=h, g=g, fp8=E5, transposed=True, sums=True),
+            "gh"),
+        "copy: act_fp8 copy, e5m2 + transpose + bias sum": (
+            lambda d: act_fp8("copy", s5, amax, g=d, fp8=E5, transposed=True, sums=True), "d"),
     }  # fmt: skip
     moved = {  # bytes an element at least: reads of bf16 inputs (2 B each), writes
         "ln: LayerNorm (bf16 out, no cast)": 4, "ln: LayerNorm + dynamic e4m3 cast": 5,
         "ln: ln_fp8, bf16 y + e4m3 copy": 5, "ln: ln_fp8, e4m3 copy only": 3,
         "ln: ln_fp8 rowwise, bf16 y + e4m3 copy": 5,
         "gelu: GELU + dynamic e4m3 cast + transpose": 4, "gelu: act_fp8 gelu, e4m3 + transpose": 4,
-        "dgelu: GELU grad + dynamic e5m2 cast + transpose": 6,
-        "dgelu: act_fp8 dgelu, e5m2 + transpose": 6,
-        "copy: dynamic e5m2 cast + transpose": 4, "copy: act_fp8 copy, e5m2 + transpose": 4,
+        "dgelu: GELU grad + dynamic e5m2 cast + transpose + bias sum": 6,
+        "dgelu: act_fp8 dgelu, e5m2 + transpose + bias sum": 6,
+        "copy: dynamic e5m2 cast + transpose + bias sum": 4,
+        "copy: act_fp8 copy, e5m2 + transpose + bias sum": 4,
     }  # fmt: skip
     numel = {"x": M * D, "h": M * F4, "gh": M * F4, "d": M * D}
     rows = {}

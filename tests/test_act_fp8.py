@@ -80,3 +80,15 @@ def test_gpu_dgelu_at_1558m_shape():
     assert (q.float() != rq.float()).float().mean().item() < 1e-3
     assert torch.equal(qt, q.t().contiguous()) or torch.equal(qt.float(), q.float().t())
     torch.testing.assert_close(amax[0], ramax, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["dgelu", "copy"])
+def test_column_sums_are_the_unrounded_outputs(mode):
+    """sums=True: the bias gradient, summed in fp32 from the values before the cast."""
+    h, grad = pair(70, 40, seed=3)
+    ins = dict(h=h, g=grad) if mode == "dgelu" else dict(g=grad)
+    s = torch.tensor([2.0**14], device=DEV)
+    *_, sums = act_fp8(mode, s, torch.zeros(1, device=DEV), fp8=torch.float8_e5m2, sums=True,
+                       block=(32, 32), **ins)  # fmt: skip
+    out = act_fp8_reference(mode, s, fp8=torch.float8_e5m2, **ins)[0]
+    torch.testing.assert_close(sums, out.sum(0), rtol=1e-4, atol=1e-7)

@@ -9,6 +9,7 @@ laid out transposed too, for a weight-gradient GEMM): issue 56's casts made wher
                                                   dW = dy^T x sums over tokens, so it needs
                                                   dy^T and x^T laid out along the token axis
     amax = max(amax, max |out|)                    for the next step's scale (delayed scaling)
+    sums = sum over rows of out (when asked)       a bias gradient, from the unrounded values
 
 A separate cast after an unfused producer reads the bf16 tensor for its amax, again for the
 cast, and again for a transpose; here `h` (and `g`) are read once and only the FP8 bytes are
@@ -37,11 +38,13 @@ def act_fp8_kernel(
     qt_ptr,  # (N, M) out, FP8 (when TRANSPOSED)
     scale_ptr,  # (1,) fp32 in
     amax_ptr,  # (1,) fp32 in/out: atomic max
+    sums_ptr,  # (cdiv(M, BM), N) fp32 out: each row of tiles' column sums of out (when SUMS)
     M,
     N,
     FP8_MAX: tl.constexpr,
     MODE: tl.constexpr,  # 0 GELU, 1 DGELU, 2 COPY
     TRANSPOSED: tl.constexpr,
+    SUMS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -72,13 +75,18 @@ def act_fp8_kernel(
         offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
         tl.store(qt_ptr + offs_t, tl.trans(q), mask=tl.trans(mask))
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(out), axis=1), axis=0))
+    if SUMS:  # a bias gradient from the unrounded values, in a fixed order (no atomics)
+        tl.store(sums_ptr + tl.program_id(0).to(tl.int64) * N + cols, tl.sum(out, axis=0),
+                 mask=cols < N)  # fmt: skip
 
 
 def act_fp8(mode, scale, amax, *, h=None, g=None, fp8=torch.float8_e4m3fn, transposed=False,
-            block=(64, 64)):  # fmt: skip
-    """(q, qt or None): `mode`'s output (module docstring) of h and/or g ((M, N), contiguous,
-    one dtype) times scale ((1,) fp32), saturated and cast to `fp8`; qt = q^T contiguous when
-    `transposed`. amax ((1,) fp32) becomes max(amax, max |output|), in place."""
+            sums=False, block=(64, 64)):  # fmt: skip
+    """(q, qt or None[, column sums]): `mode`'s output (module docstring) of h and/or g ((M, N),
+    contiguous, one dtype) times scale ((1,) fp32), saturated and cast to `fp8`; qt = q^T
+    contiguous when `transposed`; with `sums`, the output's column sums (N,) in fp32 before
+    scaling and rounding (a bias gradient). amax ((1,) fp32) becomes max(amax, max |output|),
+    in place."""
     if mode not in MODES:
         raise ValueError(f"act_fp8: mode must be one of {MODES}, got {mode!r}")
     ins = [t for t in (h, g) if t is not None]
@@ -94,12 +102,15 @@ def act_fp8(mode, scale, amax, *, h=None, g=None, fp8=torch.float8_e4m3fn, trans
     q = torch.empty((M, N), device=a.device, dtype=fp8)
     qt = torch.empty((N, M), device=a.device, dtype=fp8) if transposed else q
     BM, BN = block
+    partial = torch.empty((triton.cdiv(M, BM) if sums else 0, N), device=a.device,
+                          dtype=torch.float32)  # fmt: skip
     act_fp8_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
-        a if g is None else g, a if h is None else h, q, qt, scale, amax, M, N,
-        FP8_MAX=FP8_MAX[fp8], MODE=MODES.index(mode), TRANSPOSED=transposed, BM=BM, BN=BN,
-        INTERPRETED=a.device.type != "cuda", num_warps=4,
+        a if g is None else g, a if h is None else h, q, qt, scale, amax, partial, M, N,
+        FP8_MAX=FP8_MAX[fp8], MODE=MODES.index(mode), TRANSPOSED=transposed, SUMS=sums, BM=BM,
+        BN=BN, INTERPRETED=a.device.type != "cuda", num_warps=4,
     )  # fmt: skip
-    return q, (qt if transposed else None)
+    out = q, (qt if transposed else None)
+    return (*out, partial.sum(0)) if sums else out
 
 
 def act_fp8_reference(mode, scale, *, h=None, g=None, fp8=torch.float8_e4m3fn):

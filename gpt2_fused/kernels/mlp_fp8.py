@@ -10,6 +10,7 @@ Backward, from dout (= d out / d x's residual share as well):
     dW_proj = d8T a8T^T,  da = d8 W_proj8             (dW in fp32: the master weights')
     dh8, dh8T = e5m2(da * gelu'(h) * s_h) act_fp8 "dgelu": one pass over da and h
     dW_fc = dh8T y8T^T,  dy = dh8 W_fc8,  db_fc = sum_rows(dh), db_proj = sum_rows(dout)
+                                          (the bias sums from the casts' own passes, unrounded)
     dx = dout + LayerNorm's backward of dy             (torch, from mean and rstd)
 
 Scales are tensorwise. The activations' and gradients' (s_y, s_a, s_d, s_h) are delayed: each is
@@ -101,21 +102,20 @@ class MlpFp8(torch.autograd.Function):
         state, dt = ctx.state, torch.bfloat16
         x_dtype, dw_fc_dtype, dw_proj_dtype = ctx.dtypes
         d = dout.reshape(-1, x2.shape[1]).to(dt).contiguous()
-        s_d, (d8, d8t) = state.cast("d", E5, lambda scale, amax: act_fp8(
-            "copy", scale, amax, g=d, fp8=E5, transposed=True))  # fmt: skip
+        s_d, (d8, d8t, db_proj) = state.cast("d", E5, lambda scale, amax: act_fp8(
+            "copy", scale, amax, g=d, fp8=E5, transposed=True, sums=True))  # fmt: skip
         dw_proj = _mm(d8t, a8t.t(), 1 / s_d, 1 / s_a, torch.float32)
         da = _mm(d8, w_proj8.t().contiguous().t(), 1 / s_d, inv_proj, dt)
-        s_h, (dh8, dh8t) = state.cast("h", E5, lambda scale, amax: act_fp8(
-            "dgelu", scale, amax, h=h, g=da, fp8=E5, transposed=True))  # fmt: skip
+        s_h, (dh8, dh8t, db_fc) = state.cast("h", E5, lambda scale, amax: act_fp8(
+            "dgelu", scale, amax, h=h, g=da, fp8=E5, transposed=True, sums=True))  # fmt: skip
         y8t = y8.t().contiguous()
         dw_fc = _mm(dh8t, y8t.t(), 1 / s_h, 1 / s_y, torch.float32)
         dy = _mm(dh8, w_fc8.t().contiguous().t(), 1 / s_h, inv_fc, torch.float32)
-        db_fc = (dh8.float().sum(0) / s_h).to(dw_fc_dtype)
-        db_proj = d.float().sum(0).to(dw_proj_dtype)
         dx, dln_w, dln_b = _layer_norm_backward(dy, x2, mean, rstd, ln_w)
         dx = (d.float() + dx).to(x_dtype).view(ctx.shape)
-        return (dx, dln_w, dln_b if ctx.has_ln_b else None, dw_fc.to(dw_fc_dtype), db_fc,
-                dw_proj.to(dw_proj_dtype), db_proj, None, None)  # fmt: skip
+        return (dx, dln_w, dln_b if ctx.has_ln_b else None, dw_fc.to(dw_fc_dtype),
+                db_fc.to(dw_fc_dtype), dw_proj.to(dw_proj_dtype), db_proj.to(dw_proj_dtype), None,
+                None)  # fmt: skip
 
 
 def _layer_norm_backward(dy, x, mean, rstd, w):
