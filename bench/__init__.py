@@ -29,5 +29,5 @@ several share from bench.common, never from one another. Their results go to ben
     common              (no command) shapes, inputs, loss methods and timers the others share
 
 The shell scripts (gpu_gate.sh, e2e_h200.sh, ddp_h200.sh, quality_pair.sh, sample_h200.sh,
-shard_overhead.sh) run these on a GPU host: `bash bench/<script>.sh`.
+shard_overhead.sh, fp8_fused_call.sh) run these on a GPU host: `bash bench/<script>.sh`.
 """
