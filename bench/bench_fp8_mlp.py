@@ -19,7 +19,7 @@ from torch import nn
 
 from bench.common import timed
 from gpt2_fused.kernels.mlp import mlp_cublaslt
-from gpt2_fused.kernels.mlp_fp8 import Fp8State, mlp_fp8, mlp_fp8_reference
+from gpt2_fused.kernels.mlp_fp8 import mlp_fp8, mlp_fp8_reference, mlp_state
 
 
 class HalfBlock(nn.Module):
@@ -31,7 +31,7 @@ class HalfBlock(nn.Module):
         self.ln = nn.LayerNorm(D)
         self.c_fc, self.c_proj = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
         self.how = how
-        self.state = Fp8State("cuda") if how == "fused" else None
+        self.state = mlp_state("cuda") if how == "fused" else None
 
     def forward(self, x):
         if self.how == "fused":

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpt2_fused.kernels.mlp_fp8 import NAMES, Fp8State, mlp_fp8, mlp_fp8_reference
+from gpt2_fused.kernels.mlp_fp8 import NAMES, mlp_fp8, mlp_fp8_reference, mlp_state
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -43,7 +43,7 @@ def test_forward_and_gradients_follow_fp32_torch(dtype):
     within 15 %, at the first call (dry amax passes) and at a later one (delayed scales)."""
     x, ln, fc, proj = half_block(dtype=dtype)
     dout = torch.randn(x.shape, device=DEV) * 1e-2
-    state = Fp8State(DEV)
+    state = mlp_state(DEV)
     ref_out, ref_grads = run(x, ln, fc, proj, mlp_fp8_reference, dout)
     for call in range(2):
         out, grads = run(x, ln, fc, proj, lambda *a: mlp_fp8(*a[:1], a[1], *a[2:], state), dout)
@@ -58,7 +58,7 @@ def test_forward_and_gradients_follow_fp32_torch(dtype):
 def test_delayed_scale_comes_from_the_last_call():
     """Each call leaves its own amaxes for the next call's scales."""
     x, ln, fc, proj = half_block()
-    state = Fp8State(DEV)
+    state = mlp_state(DEV)
     with torch.no_grad():
         mlp_fp8(x, ln, fc.weight, fc.bias, proj.weight, proj.bias, state)
         first = state.amax.clone()

@@ -157,14 +157,14 @@ def convert(model, recipe, fully_sharded):
 
 def _convert_fused(model):
     """Give each block's MLP an Fp8State: model.Block then runs its second half as mlp_fp8."""
-    from gpt2_fused.kernels.mlp_fp8 import Fp8State
+    from gpt2_fused.kernels.mlp_fp8 import mlp_state
 
     if model.config.dropout:
         raise ValueError("fp8='fused' has no dropout in its MLP: needs dropout=0.0")
     device = model.transformer.wte.weight.device
     names = []
     for i, block in enumerate(model.transformer.h):
-        block.mlp.fp8_state = Fp8State(device)
+        block.mlp.fp8_state = mlp_state(device)
         names += [f"transformer.h.{i}.mlp.c_fc", f"transformer.h.{i}.mlp.c_proj"]
     return names
 
@@ -219,13 +219,13 @@ def _tiny_step(recipe, device):
 
 def _tiny_fused_step(device):
     """One forward and backward of mlp_fp8 at width 32 on `device`."""
-    from gpt2_fused.kernels.mlp_fp8 import Fp8State, mlp_fp8
+    from gpt2_fused.kernels.mlp_fp8 import mlp_fp8, mlp_state
 
     ln, fc, proj = nn.LayerNorm(32), nn.Linear(32, 128), nn.Linear(128, 32)
     for m in (ln, fc, proj):
         m.to(device)
     x = torch.randn(16, 32, device=device, requires_grad=True)
-    out = mlp_fp8(x, ln, fc.weight, fc.bias, proj.weight, proj.bias, Fp8State(device))
+    out = mlp_fp8(x, ln, fc.weight, fc.bias, proj.weight, proj.bias, mlp_state(device))
     out.float().sum().backward()
     torch.cuda.synchronize(device)
 

@@ -13,64 +13,20 @@ Backward, from dout (= d out / d x's residual share as well):
                                           (the bias sums from the casts' own passes, unrounded)
     dx = dout + LayerNorm's backward of dy             (torch, from mean and rstd)
 
-Scales are tensorwise. The activations' and gradients' (s_y, s_a, s_d, s_h) are delayed: each is
-FP8_MAX / (2^MARGIN amax), amax the largest |value| the same tensor had at the previous call
-(Fp8State keeps it; the kernels update it as they cast), so each cast is one pass; values above
-the old range saturate. A tensor's first cast has no history: a dry pass measures its amax
-first (Fp8State.cast). The weights' (s_fc, s_proj) are just-in-time: a weight is small
-next to the activations, cast once a call.
-torch._scaled_mm reads its first operand row-major and its second column-major, and FP8 GEMMs
-need one e4m3 operand (e5m2 x e5m2 has no kernel): hence the transposed copies, and e5m2 only
-for gradients.
+Scales: tensorwise, delayed for the activations and gradients (s_y, s_a, s_d, s_h), just in
+time for the weights (fp8_gemm.py).
 mlp_fp8_reference is the same half block in fp32 torch.
 """
 
 import torch
 import torch.nn.functional as F
 
-from gpt2_fused.kernels.act_fp8 import FP8_MAX, act_fp8
+from gpt2_fused.kernels.act_fp8 import act_fp8
+from gpt2_fused.kernels.fp8_gemm import E4, E5, Fp8State, cast_weight, layer_norm_backward
+from gpt2_fused.kernels.fp8_gemm import scaled_mm as _mm
 from gpt2_fused.kernels.ln_fp8 import ln_fp8
 
-E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
-MARGIN = 1  # scales leave 2^MARGIN of headroom above the last amax
-NAMES = ("y", "a", "d", "h")  # LN output, GELU output, dout, dh
-
-
-class Fp8State:
-    """The amax of each delayed-scaled tensor at the last call ((4,) fp32 on the device, in
-    NAMES' order) and the names that have had one."""
-
-    def __init__(self, device):
-        self.amax = torch.zeros(len(NAMES), device=device)
-        self.seen = set()
-
-    def slot(self, name):
-        return self.amax[NAMES.index(name)].view(1)
-
-    def cast(self, name, fp8, run):
-        """run(scale, amax_slot) with the delayed scale FP8_MAX / (2^MARGIN amax) of `name`,
-        after zeroing its slot so that the call leaves its own amax there; its result. The first
-        time (no amax yet) run goes twice: a dry run measures the amax, the second casts with it."""
-        amax = self.slot(name)
-        if name not in self.seen:
-            amax.zero_()
-            run(torch.ones_like(amax), amax)
-            self.seen.add(name)
-        scale = FP8_MAX[fp8] / (amax.clamp(min=1e-30) * 2.0**MARGIN)
-        amax.zero_()
-        return scale, run(scale, amax)
-
-
-def cast_weight(w, fp8=E4):
-    """(w8, 1 / scale) of a weight, tensorwise just in time."""
-    s = FP8_MAX[fp8] / w.detach().abs().amax().float().clamp(min=1e-12)
-    return (w.detach().float() * s).clamp(-FP8_MAX[fp8], FP8_MAX[fp8]).to(fp8), (1 / s).view(())
-
-
-def _mm(a, b, inv_a, inv_b, out_dtype, bias=None):
-    """a @ b on FP8 tensor cores, a row-major, b column-major, descaled by inv_a * inv_b."""
-    return torch._scaled_mm(a, b, scale_a=inv_a.view(()), scale_b=inv_b.view(()), bias=bias,
-                            out_dtype=out_dtype)  # fmt: skip
+NAMES = ("y", "a", "d", "h")  # the delayed-scaled tensors: LN output, GELU output, dout, dh
 
 
 class MlpFp8(torch.autograd.Function):
@@ -111,25 +67,22 @@ class MlpFp8(torch.autograd.Function):
         y8t = y8.t().contiguous()
         dw_fc = _mm(dh8t, y8t.t(), 1 / s_h, 1 / s_y, torch.float32)
         dy = _mm(dh8, w_fc8.t().contiguous().t(), 1 / s_h, inv_fc, torch.float32)
-        dx, dln_w, dln_b = _layer_norm_backward(dy, x2, mean, rstd, ln_w)
+        dx, dln_w, dln_b = layer_norm_backward(dy, x2, mean, rstd, ln_w)
         dx = (d.float() + dx).to(x_dtype).view(ctx.shape)
         return (dx, dln_w, dln_b if ctx.has_ln_b else None, dw_fc.to(dw_fc_dtype),
                 db_fc.to(dw_fc_dtype), dw_proj.to(dw_proj_dtype), db_proj.to(dw_proj_dtype), None,
                 None)  # fmt: skip
 
 
-def _layer_norm_backward(dy, x, mean, rstd, w):
-    """(dx, dw, db) of y = (x - mean) rstd w + b for dy, all (M, D) fp32 math."""
-    xhat = (x.float() - mean[:, None]) * rstd[:, None]
-    g = dy * w.float()
-    dx = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-    return dx, (dy * xhat).sum(0).to(w.dtype), dy.sum(0).to(w.dtype)
-
-
 def mlp_fp8(x, ln, w_fc, b_fc, w_proj, b_proj, state):
     """x + MLP(LayerNorm(x)) with FP8 GEMMs (module docstring). x (..., D); ln the LayerNorm
-    module (its weight, bias, eps); state an Fp8State, one per call site."""
+    module (its weight, bias, eps); state an Fp8State of NAMES (mlp_state), one per call site."""
     return MlpFp8.apply(x, ln.weight, ln.bias, w_fc, b_fc, w_proj, b_proj, state, ln.eps)
+
+
+def mlp_state(device):
+    """A new Fp8State for one mlp_fp8 call site."""
+    return Fp8State(device, NAMES)
 
 
 def mlp_fp8_reference(x, ln, w_fc, b_fc, w_proj, b_proj):
