@@ -69,9 +69,10 @@ def test_delayed_scale_comes_from_the_last_call():
     assert state.amax[0] > 2 * first[0] and state.amax[1] != first[1]
 
 
-def test_fused_recipe_runs_each_blocks_mlp_half_in_fp8():
-    """fp8.convert(model, "fused"): every block's second half goes through mlp_fp8 (its state
-    fills), the loss and gradients follow the unconverted model's, the state dict's keys stay."""
+def test_fused_recipe_runs_each_blocks_halves_in_fp8():
+    """fp8.convert(model, "fused"): every block's halves go through attn_fp8 and mlp_fp8 (their
+    states fill), the loss and gradients follow the unconverted model's, the state dict's keys
+    stay."""
     from gpt2_fused.core import fp8
     from model import GPT, GPTConfig
 
@@ -82,7 +83,7 @@ def test_fused_recipe_runs_each_blocks_mlp_half_in_fp8():
     model = GPT(cfg).to(DEV)
     model.load_state_dict(ref.state_dict())
     names = fp8.convert(model, "fused", False)
-    assert names == [f"transformer.h.{i}.mlp.{n}" for i in (0, 1) for n in ("c_fc", "c_proj")]
+    assert names == [f"transformer.h.{i}.{n}" for i in (0, 1) for n in fp8.BLOCK_LINEARS]
     assert model.state_dict().keys() == ref.state_dict().keys()
     idx = torch.randint(0, 256, (4, 33), device=DEV)
     losses = []
@@ -91,8 +92,9 @@ def test_fused_recipe_runs_each_blocks_mlp_half_in_fp8():
         loss.backward()
         losses.append(loss.item())
     assert abs(losses[0] - losses[1]) < 0.02, losses
-    for block in model.transformer.h:
+    for block in model.transformer.h:  # both halves ran in FP8
         assert sorted(block.mlp.fp8_state.seen) == sorted(NAMES)
+        assert sorted(block.attn.fp8_state.seen) == sorted(block.attn.fp8_state.names)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert rel(p.grad, q.grad) < 0.15, name
 

@@ -11,9 +11,10 @@ raw weights, are off in converted blocks.
 
     tensorwise  one scale per tensor; x and W in e4m3, dy in e5m2; cuBLAS GEMMs, the fastest
     rowwise     one power-of-two scale per row of each operand, all in e4m3; CUTLASS GEMMs
-    fused       not torchao: each block's second half, x + MLP(LN_2(x)), on FP8 GEMMs with every
-                operand cast in the kernel that makes it and delayed tensorwise scales
-                (gpt2_fused/kernels/mlp_fp8.py); attention in bf16 on its fast path
+    fused       not torchao: each block's two halves, x + attention(LN_1(x)) and x + MLP(LN_2(x)),
+                with the four GEMMs in FP8 and every operand cast in the kernel that makes it,
+                delayed tensorwise scales (gpt2_fused/kernels/attn_fp8.py, mlp_fp8.py); the
+                attention itself in bf16 (cuDNN)
     off         no conversion (bf16 autocast with fp32 master weights, the default)
 
 torch._scaled_mm takes dimensions that are multiples of 16 only, the summed one included: n_embd
@@ -156,16 +157,23 @@ def convert(model, recipe, fully_sharded):
 
 
 def _convert_fused(model):
-    """Give each block's MLP an Fp8State: model.Block then runs its second half as mlp_fp8."""
+    """Give each block's attention and MLP an Fp8State: model.Block then runs its two halves as
+    attn_fp8 and mlp_fp8."""
+    from gpt2_fused.kernels.attn_fp8 import attn_state
     from gpt2_fused.kernels.mlp_fp8 import mlp_state
 
-    if model.config.dropout:
-        raise ValueError("fp8='fused' has no dropout in its MLP: needs dropout=0.0")
+    cfg = model.config
+    if cfg.dropout:
+        raise ValueError("fp8='fused' has no dropout in its blocks: needs dropout=0.0")
+    hs = cfg.n_embd // cfg.n_head
+    if hs % 8 or hs > 128:  # cuDNN's attention, as the bf16 fast path's
+        raise ValueError(f"fp8='fused' needs a head size that is a multiple of 8 up to 128, "
+                         f"got {hs}")  # fmt: skip
     device = model.transformer.wte.weight.device
     names = []
     for i, block in enumerate(model.transformer.h):
-        block.mlp.fp8_state = mlp_state(device)
-        names += [f"transformer.h.{i}.mlp.c_fc", f"transformer.h.{i}.mlp.c_proj"]
+        block.attn.fp8_state, block.mlp.fp8_state = attn_state(device), mlp_state(device)
+        names += [f"transformer.h.{i}.{n}" for n in BLOCK_LINEARS]
     return names
 
 

@@ -1,0 +1,139 @@
+"""The first half of a GPT-2 block, out = x + c_proj(attention(c_attn(LN_1(x)))), with c_attn and
+c_proj on FP8 tensor cores, each FP8 operand cast where it is made (issue 56); the attention
+itself in bf16 (cuDNN's on CUDA, as gpt2_fused/kernels/attention.py; torch's math elsewhere):
+
+    y8       = e4m3(LN(x) * s_y)                ln_fp8, with its amax
+    qkv      = y8 W_attn8^T / (s_y s_attn) + b_attn       (M, 3C) bf16, torch._scaled_mm
+    o        = causal attention of q, k, v                  (M, C) bf16
+    o8, o8T  = e4m3(o * s_o)                    act_fp8 "copy": one pass over o
+    out      = x + o8 W_proj8^T / (s_o s_proj) + b_proj
+Backward, from dout:
+    d8, d8T, db_proj = e5m2(dout * s_d), ..., sum_rows(dout)            act_fp8 "copy"
+    dW_proj = d8T o8T^T,  do = d8 W_proj8
+    dq, dk, dv = the attention's backward of do
+    dqkv, db_attn = [dq | dk | dv], its column sums                     colsum.qkv_grad
+    q8, q8T = e5m2(dqkv * s_q)                                          act_fp8 "copy"
+    dW_attn = q8T y8T^T,  dy = q8 W_attn8,  dx = dout + LayerNorm's backward of dy
+Scales: tensorwise, delayed for the activations and gradients (y, o, d, q), just in time for the
+weights (fp8_gemm.py). attn_fp8_reference is the same half block in fp32 torch.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from gpt2_fused.kernels.act_fp8 import act_fp8
+from gpt2_fused.kernels.colsum import qkv_grad
+from gpt2_fused.kernels.fp8_gemm import E4, E5, Fp8State, cast_weight, layer_norm_backward
+from gpt2_fused.kernels.fp8_gemm import scaled_mm as _mm
+from gpt2_fused.kernels.ln_fp8 import ln_fp8
+
+NAMES = ("y", "o", "d", "q")  # the delayed-scaled tensors: LN output, attention out, dout, dqkv
+
+
+def _split_heads(qkv, n_head):
+    """q, k, v (B, nh, T, hs), views of qkv (B, T, 3C)."""
+    B, T, C3 = qkv.shape
+    return [t.view(B, T, n_head, C3 // 3 // n_head).transpose(1, 2) for t in qkv.chunk(3, dim=2)]
+
+
+def _attend(qkv, n_head):
+    """(o (B, T, C) bf16, what _attend_backward needs) for qkv (B, T, 3C)."""
+    B, T, C3 = qkv.shape
+    q, k, v = _split_heads(qkv, n_head)
+    if qkv.is_cuda:
+        out, lse, *_, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False
+        )
+        saved = (out, lse, seed, offset)
+    else:  # torch's math attention; the backward recomputes it
+        out, saved = F.scaled_dot_product_attention(q, k, v, is_causal=True), None
+    return out.transpose(1, 2).reshape(B, T, C3 // 3), saved
+
+
+def _attend_backward(do, qkv, n_head, saved):
+    """dq, dk, dv as (M, C) views, for do (B, T, C), the gradient of _attend's o."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    q, k, v = _split_heads(qkv, n_head)
+    dout = do.contiguous().view(B, T, n_head, C // n_head).transpose(1, 2)
+    if saved is not None:
+        out, lse, seed, offset = saved
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse, seed, offset, None, None, None, T, T, 0.0, True
+        )
+    else:
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        with torch.enable_grad():
+            out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        grads = torch.autograd.grad(out, leaves, dout)
+    return [g.transpose(1, 2).reshape(B * T, C) for g in grads]
+
+
+class AttnFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, w_attn, b_attn, w_proj, b_proj, n_head, state, eps):
+        B, T, C = x.shape
+        x2, dt = x.reshape(B * T, C), torch.bfloat16
+        s_y, (_, y8, _, mean, rstd) = state.cast("y", E4, lambda scale, amax: ln_fp8(
+            x2, ln_w, ln_b, eps, scale=scale, amax=amax, store_y=False))  # fmt: skip
+        w_attn8, inv_attn = cast_weight(w_attn)
+        w_proj8, inv_proj = cast_weight(w_proj)
+        qkv = _mm(y8, w_attn8.t(), 1 / s_y, inv_attn, dt, b_attn.to(dt)).view(B, T, 3 * C)
+        o, saved = _attend(qkv, n_head)
+        o2 = o.reshape(B * T, C).contiguous()
+        s_o, (o8, o8t) = state.cast("o", E4, lambda scale, amax: act_fp8(
+            "copy", scale, amax, g=o2, transposed=True))  # fmt: skip
+        out = x2.to(dt) + _mm(o8, w_proj8.t(), 1 / s_o, inv_proj, dt, b_proj.to(dt))
+        ctx.save_for_backward(x2, mean, rstd, ln_w, y8, qkv, o8t, w_attn8, w_proj8, inv_attn,
+                              inv_proj, s_y, s_o)  # fmt: skip
+        ctx.saved_attention, ctx.n_head, ctx.state = saved, n_head, state
+        ctx.dtypes = x.dtype, w_attn.dtype, w_proj.dtype
+        ctx.has_ln_b = ln_b is not None
+        return out.view(B, T, C).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x2, mean, rstd, ln_w, y8, qkv, o8t, w_attn8, w_proj8, inv_attn, inv_proj, s_y, s_o = (
+            ctx.saved_tensors
+        )
+        state, dt, (B, T, C3) = ctx.state, torch.bfloat16, qkv.shape
+        x_dtype, dw_attn_dtype, dw_proj_dtype = ctx.dtypes
+        d = dout.reshape(B * T, C3 // 3).to(dt).contiguous()
+        s_d, (d8, d8t, db_proj) = state.cast("d", E5, lambda scale, amax: act_fp8(
+            "copy", scale, amax, g=d, fp8=E5, transposed=True, sums=True))  # fmt: skip
+        dw_proj = _mm(d8t, o8t.t(), 1 / s_d, 1 / s_o, torch.float32)
+        do = _mm(d8, w_proj8.t().contiguous().t(), 1 / s_d, inv_proj, dt)
+        dq, dk, dv = _attend_backward(do.view(B, T, -1), qkv, ctx.n_head, ctx.saved_attention)
+        dqkv, db_attn = qkv_grad(dq, dk, dv)
+        s_q, (q8, q8t) = state.cast("q", E5, lambda scale, amax: act_fp8(
+            "copy", scale, amax, g=dqkv, fp8=E5, transposed=True))  # fmt: skip
+        dw_attn = _mm(q8t, y8.t().contiguous().t(), 1 / s_q, 1 / s_y, torch.float32)
+        dy = _mm(q8, w_attn8.t().contiguous().t(), 1 / s_q, inv_attn, torch.float32)
+        dx, dln_w, dln_b = layer_norm_backward(dy, x2, mean, rstd, ln_w)
+        dx = (d.float() + dx).to(x_dtype).view(B, T, C3 // 3)
+        return (dx, dln_w, dln_b if ctx.has_ln_b else None, dw_attn.to(dw_attn_dtype),
+                db_attn.to(dw_attn_dtype), dw_proj.to(dw_proj_dtype), db_proj.to(dw_proj_dtype),
+                None, None, None)  # fmt: skip
+
+
+def attn_fp8(x, ln, w_attn, b_attn, w_proj, b_proj, n_head, state):
+    """x + c_proj(attention(c_attn(LayerNorm(x)))) with FP8 GEMMs (module docstring): x (B, T,
+    C); ln the LayerNorm module; state an Fp8State of NAMES (attn_state), one per call site."""
+    return AttnFp8.apply(x, ln.weight, ln.bias, w_attn, b_attn, w_proj, b_proj, n_head, state,
+                         ln.eps)  # fmt: skip
+
+
+def attn_state(device):
+    """A new Fp8State for one attn_fp8 call site."""
+    return Fp8State(device, NAMES)
+
+
+def attn_fp8_reference(x, ln, w_attn, b_attn, w_proj, b_proj, n_head):
+    """The same half block in fp32 torch."""
+    B, T, C = x.shape
+    y = F.layer_norm(x.float(), (C,), ln.weight.float(),
+                     None if ln.bias is None else ln.bias.float(), ln.eps)  # fmt: skip
+    qkv = F.linear(y, w_attn.float(), b_attn.float())
+    q, k, v = _split_heads(qkv, n_head)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+    return x.float() + F.linear(o, w_proj.float(), b_proj.float())
