@@ -107,3 +107,23 @@ def test_fused_recipe_needs_no_dropout():
                     block_size=32, dropout=0.1)  # fmt: skip
     with pytest.raises(ValueError, match="dropout"):
         fp8.convert(GPT(cfg), "fused", False)
+
+
+def test_fused_recipe_under_torch_compile_matches_eager():
+    """torch.compile leaves the FP8 halves eager (torch.compiler.disable) and compiles the rest:
+    the compiled model's loss is the eager one's, and gradients reach the FP8 blocks' weights."""
+    from gpt2_fused.core import fp8
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, padded_vocab_size=256, n_layer=1, n_head=2, n_embd=64,
+                    block_size=32, loss_impl="torch")  # fmt: skip
+    model = GPT(cfg).to(DEV)
+    fp8.convert(model, "fused", False)
+    idx = torch.randint(0, 256, (2, 33), device=DEV)
+    want = model(idx[:, :-1], idx[:, 1:]).item()
+    loss = torch.compile(model)(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert abs(loss.item() - want) < 1e-4
+    assert model.transformer.h[0].mlp.c_fc.weight.grad.abs().sum() > 0
+    assert model.transformer.h[0].attn.c_attn.weight.grad.abs().sum() > 0
