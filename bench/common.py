@@ -3,6 +3,8 @@ and launch variants, and the timers (CUDA events, CUDA graphs). Importing it tou
 """
 
 import contextlib
+import json
+import os
 import statistics
 
 import torch
@@ -155,3 +157,13 @@ def graph_us(fn, copies, repeats=5):
         torch.cuda.synchronize()
         rounds.append(start.elapsed_time(end) * 1e3 / len(copies))
     return statistics.median(rounds)
+
+
+def write_json(folder, name, obj):
+    """obj as indented JSON in folder/name (the folder made if need be); nothing if folder is
+    None (a benchmark run without --out)."""
+    if folder is None:
+        return
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, name), "w") as f:
+        json.dump(obj, f, indent=1)

@@ -12,13 +12,12 @@ wrapper included), the way the default training step calls it.
 """
 
 import argparse
-import json
-import os
 import statistics
 import time
 
 import torch
 
+from bench.common import write_json
 from fused_loss import fused_linear_cross_entropy
 from gpt2_fused.kernels import attention, colsum, cublaslt, mlp
 
@@ -118,10 +117,7 @@ def main():
     print("| call | host us a call |\n|---|---|")
     for name, us in rows.items():
         print(f"| {name} | {us:.1f} |")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "host_cost.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.out, "host_cost.json", rows)
 
 
 if __name__ == "__main__":

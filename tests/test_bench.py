@@ -274,3 +274,9 @@ def test_every_benchmark_is_listed_in_the_package_docstring():
     modules = {p.stem for p in pathlib.Path(bench.__file__).parent.glob("*.py")} - {"__init__"}
     listed = re.findall(r"^    (\w+)  ", bench.__doc__, re.M)
     assert sorted(listed) == sorted(modules)
+
+
+def test_write_json_makes_the_folder_and_skips_without_one(tmp_path):
+    common.write_json(tmp_path / "a" / "b", "r.json", {"x": [1, 2]})
+    assert json.loads((tmp_path / "a" / "b" / "r.json").read_text()) == {"x": [1, 2]}
+    common.write_json(None, "r.json", {"x": 1})  # no --out: nothing written, no error
