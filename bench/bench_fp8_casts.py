@@ -15,13 +15,11 @@ torch.compile'd torch code with dynamic (just-in-time) tensorwise scaling, as to
 """
 
 import argparse
-import json
-import os
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import events
+from bench.common import events, write_json
 from gpt2_fused.kernels.act_fp8 import FP8_MAX, act_fp8, act_fp8_reference
 from gpt2_fused.kernels.ln_fp8 import ln_fp8, ln_fp8_reference
 
@@ -132,10 +130,7 @@ def main():
     print("| operand: variant | ms | GB/s (least bytes) |\n|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['ms']:.4f} | {r['gb_per_s']:,.0f} |")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_fp8_casts.json"), "w") as f:
-            json.dump(dict(tokens=M, width=D, results=rows), f, indent=1)
+    write_json(args.out, "bench_fp8_casts.json", dict(tokens=M, width=D, results=rows))
 
 
 if __name__ == "__main__":

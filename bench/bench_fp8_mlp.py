@@ -11,13 +11,11 @@ MLP output's and x-gradient's relative error against fp32 torch on the same inpu
 """
 
 import argparse
-import json
-import os
 
 import torch
 from torch import nn
 
-from bench.common import timed
+from bench.common import timed, write_json
 from gpt2_fused.kernels.mlp import mlp_cublaslt
 from gpt2_fused.kernels.mlp_fp8 import mlp_fp8, mlp_fp8_reference, mlp_state
 
@@ -95,10 +93,7 @@ def main():
     for how, r in rows.items():
         print(f"| {how} | {r['ms']:.3f} | {base / r['ms']:.3f}x | {48 * (r['ms'] - base):+.1f} "
               f"| {r['mlp_rel_err']:.4f} |")  # fmt: skip
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_fp8_mlp.json"), "w") as f:
-            json.dump(dict(tokens=M, width=D, results=rows), f, indent=1)
+    write_json(args.out, "bench_fp8_mlp.json", dict(tokens=M, width=D, results=rows))
 
 
 if __name__ == "__main__":
