@@ -14,12 +14,10 @@ torch.compile'd torch code with dynamic (just-in-time) tensorwise scaling, as to
     copy:   dout -> e5m2, its transpose, its column sums       (c_proj's dgrad, dW, db)
 """
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
-from bench.common import events, write_json
+from bench.common import events, write_json, xl_shape_args
 from gpt2_fused.kernels.act_fp8 import FP8_MAX, act_fp8, act_fp8_reference
 from gpt2_fused.kernels.ln_fp8 import ln_fp8, ln_fp8_reference
 
@@ -79,11 +77,7 @@ def check(x, w, b, h, g):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--width", type=int, default=1600)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = xl_shape_args(__doc__)
     M, D = args.tokens, args.width
     F4 = 4 * D
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -10,12 +10,10 @@ MLP output's and x-gradient's relative error against fp32 torch on the same inpu
 48 blocks, the ms difference to bf16 is what the variant would move a 1558M step.
 """
 
-import argparse
-
 import torch
 from torch import nn
 
-from bench.common import timed, write_json
+from bench.common import timed, write_json, xl_shape_args
 from gpt2_fused.kernels.mlp import mlp_cublaslt
 from gpt2_fused.kernels.mlp_fp8 import mlp_fp8, mlp_fp8_reference, mlp_state
 
@@ -59,11 +57,7 @@ def variants(D):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--width", type=int, default=1600)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = xl_shape_args(__doc__)
     M, D = args.tokens, args.width
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(M, D, device="cuda", generator=g).bfloat16().requires_grad_(True)
