@@ -68,12 +68,13 @@ def act_fp8_kernel(
             out = g
     out = tl.where(mask, out, 0.0)
     scale = tl.load(scale_ptr)
-    q = tl.minimum(tl.maximum(out * scale, -FP8_MAX), FP8_MAX)
-    q = to_dtype(q, q_ptr.dtype.element_ty, INTERPRETED)
-    tl.store(q_ptr + offs, q, mask=mask)
-    if TRANSPOSED:
+    clamped = tl.minimum(tl.maximum(out * scale, -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + offs, to_dtype(clamped, q_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    if TRANSPOSED:  # the fp32 tile transposed in registers, then rounded (the same values)
         offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
-        tl.store(qt_ptr + offs_t, tl.trans(q), mask=tl.trans(mask))
+        mask_t = (cols < N)[:, None] & (rows < M)[None, :]
+        q_t = to_dtype(tl.trans(clamped), qt_ptr.dtype.element_ty, INTERPRETED)
+        tl.store(qt_ptr + offs_t, q_t, mask=mask_t)
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(out), axis=1), axis=0))
     if SUMS:  # a bias gradient from the unrounded values, in a fixed order (no atomics)
         tl.store(sums_ptr + tl.program_id(0).to(tl.int64) * N + cols, tl.sum(out, axis=0),
