@@ -14,12 +14,14 @@ Writes DIR/timeline_<run>.json (the summary) and the Chrome trace beside it.
 
 import argparse
 import bisect
+import gzip
 import json
 import os
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from bench.common import for_benchmarks
 from bench.throughput import random_dataset, train_args
 from data.prepare import CACHE_DIR
 
@@ -58,7 +60,8 @@ def summarise(events, steps):
         end, prev = max(end, f), e
     by_kind = {}
     for e in gpu:
-        by_kind[kind(e["name"])] = by_kind.get(kind(e["name"]), 0.0) + e["dur"]
+        k = kind(e["name"])
+        by_kind[k] = by_kind.get(k, 0.0) + e["dur"]
     span = t1 - t0
     gaps.sort(reverse=True)
     return {
@@ -78,13 +81,6 @@ def summarise(events, steps):
     }
 
 
-def no_save(obj, out_dir, step, keep_last):
-    """train.save_checkpoint's stand-in: an empty file (the checkpoint is not what is timed)."""
-    path = os.path.join(out_dir, "no_checkpoint_in_benchmarks")
-    open(path, "w").close()
-    return path
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", default="124M:16", help="model:batch")
@@ -100,30 +96,21 @@ def main():
     targs += args.train_args.split()
 
     import train  # the command, as bench.throughput's child imports it
-    from gpt2_fused.core import runlog
 
     active = 3
     sched = schedule(wait=args.steps - active - 2, warmup=1, active=active, repeat=1)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=sched) as p:
-        fmt = runlog.format_step
-
-        def stepping(rec, max_steps):  # once per logged step
-            p.step()
-            return fmt(rec, max_steps)
-
-        runlog.format_step = stepping
-        train.save_checkpoint = no_save
+        for_benchmarks(train, on_step=p.step)
         train.main(targs)
     tag = f"{model}_{batch}" + ("_" + "".join(c for c in args.train_args if c.isalnum())[:40])
-    trace = os.path.join(args.out, f"trace_{tag}.json")
+    trace = os.path.join(args.out, f"trace_{tag}.json.gz")  # the profiler gzips a .gz path
     p.export_chrome_trace(trace)
-    with open(trace) as f:
+    with gzip.open(trace, "rt") as f:
         events = json.load(f)["traceEvents"]
     res = summarise(events, active)
     res |= {"run": args.run, "train_args": args.train_args, "device": torch.cuda.get_device_name(0)}
     with open(os.path.join(args.out, f"timeline_{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
-    os.system(f"gzip -f {trace}")
     print(json.dumps(res, indent=1))
 
 

@@ -59,29 +59,21 @@ IMPLS["fp8_fused"] = ["--fp8='fused'"]  # our kernels' casts (gpt2_fused/kernels
 
 # Runs inside the child: train, then report peak memory (and the profile when asked).
 CHILD = r"""
-import json, os, sys, torch, train
+import json, sys, torch, train
+from bench.common import for_benchmarks
 args, profile = json.loads(sys.argv[1]), sys.argv[2] == "1"
-def no_save(obj, out_dir, step, keep_last):  # the final checkpoint is not what is measured
-    path = os.path.join(out_dir, "no_checkpoint_in_benchmarks")  # (1558M: 18.7 GB to write)
-    open(path, "w").close()
-    return path
-train.save_checkpoint = no_save
 if profile:  # steps 10-12 only: past compilation and warm-up, before the final checkpoint
     from torch.profiler import ProfilerActivity, profile as prof_ctx, schedule
     sched = schedule(wait=9, warmup=1, active=3, repeat=1)
     with prof_ctx(activities=[ProfilerActivity.CUDA], schedule=sched) as prof:
-        from gpt2_fused.core import runlog
-        fmt = runlog.format_step
-        def stepping(rec, max_steps):  # the loop calls this once per optimizer step
-            prof.step()
-            return fmt(rec, max_steps)
-        runlog.format_step = stepping
+        for_benchmarks(train, on_step=prof.step)
         train.main(args)
     rows = sorted(((e.device_time_total, e.count, e.key) for e in prof.key_averages()
                    if e.device_time_total > 0), reverse=True)
     print("PROFILE " + json.dumps([(us / 1000.0, n, k[:90]) for us, n, k in rows[:60]]))
     print(f"PROFILE_TOTAL_MS {sum(r[0] for r in rows) / 1000.0}")
 else:
+    for_benchmarks(train)
     train.main(args)
 peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 print(f"PEAK_GIB {peak / 2**30:.3f}")

@@ -4,6 +4,7 @@ against torch's (in the Triton interpreter, see conftest.py), parity.py's refere
 that bench/__init__ lists every benchmark."""
 
 import json
+import os
 import pathlib
 import re
 
@@ -280,3 +281,17 @@ def test_write_json_makes_the_folder_and_skips_without_one(tmp_path):
     common.write_json(tmp_path / "a" / "b", "r.json", {"x": [1, 2]})
     assert json.loads((tmp_path / "a" / "b" / "r.json").read_text()) == {"x": [1, 2]}
     common.write_json(None, "r.json", {"x": 1})  # no --out: nothing written, no error
+
+
+def test_for_benchmarks_skips_checkpoints_and_steps_the_profiler(tmp_path, monkeypatch):
+    import types
+
+    from gpt2_fused.core import runlog
+
+    monkeypatch.setattr(runlog, "format_step", runlog.format_step)  # restored after the test
+    fake_train, calls = types.SimpleNamespace(), []
+    common.for_benchmarks(fake_train, on_step=lambda: calls.append(1))
+    path = fake_train.save_checkpoint({"model": 1}, str(tmp_path), 5, 1)
+    assert os.path.getsize(path) == 0
+    rec = dict(step=3, loss=1.0, lr=1e-3, grad_norm=0.5, ms=10.0, tok_per_s=100.0)
+    assert runlog.format_step(rec, 10).startswith("step      3/10") and calls == [1]
