@@ -4,7 +4,13 @@ compiled kernel on the GPU): the LayerNorm output, its FP8 copy, the scales and 
 import pytest
 import torch
 
-from gpt2_fused.kernels.ln_fp8 import E4M3_MAX, ln_fp8, ln_fp8_reference
+from gpt2_fused.kernels.ln_fp8 import (
+    E4M3_MAX,
+    ln_backward,
+    ln_backward_reference,
+    ln_fp8,
+    ln_fp8_reference,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -68,6 +74,60 @@ def test_bad_tensorwise_arguments_are_refused():
     x, w, b = inputs(4, 32, torch.float32)
     with pytest.raises(ValueError, match="needs amax"):
         ln_fp8(x, w, b, 1e-5, scale=torch.ones(1, device=DEV))
+
+
+def backward_inputs(M, D, dtype, seed=0):
+    x, w, _ = inputs(M, D, dtype, seed)
+    xf = x.float()
+    mean, rstd = xf.mean(-1), torch.rsqrt(xf.var(-1, unbiased=False) + 1e-5)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    dy = torch.randn(M, D, generator=g).to(dtype).to(DEV)
+    res = torch.randn(M, D, generator=g).to(dtype).to(DEV)
+    return dy, x, mean, rstd, w, res
+
+
+@pytest.mark.parametrize("M, D, rows", [(7, 96, 4), (33, 200, 16), (16, 1600, 16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_res", [True, False])
+def test_backward_matches_torch_autograd(M, D, rows, dtype, with_res):
+    """ln_backward's dx (+ residual), dw, db against torch's own LayerNorm under autograd, in
+    fp32 (the torch reference of this file is checked the same way)."""
+    dy, x, mean, rstd, w, res = backward_inputs(M, D, dtype)
+    b = torch.zeros(D, device=DEV, requires_grad=True)
+    xf, wf = x.float().requires_grad_(True), w.clone().requires_grad_(True)
+    torch.nn.functional.layer_norm(xf, (D,), wf, b, 1e-5).backward(dy.float())
+    want_dx = xf.grad + (res.float() if with_res else 0)
+    residual = res if with_res else None
+    for fn in (ln_backward, ln_backward_reference):
+        kw = dict(rows=rows) if fn is ln_backward else {}
+        dx, dw, db = fn(dy, x, mean, rstd, w, residual=residual, out_dtype=torch.float32, **kw)
+        assert dx.dtype == torch.float32 and dw.dtype == db.dtype == w.dtype
+        tol = dict(rtol=1e-4, atol=1e-4 * D**0.5)
+        torch.testing.assert_close(dx, want_dx, **tol)
+        torch.testing.assert_close(dw, wf.grad, **tol)
+        torch.testing.assert_close(db, b.grad, **tol)
+    dx, _, _ = ln_backward(dy, x, mean, rstd, w, residual=residual)
+    assert dx.dtype == x.dtype
+
+
+def test_backward_refuses_mismatched_shapes():
+    dy, x, mean, rstd, w, res = backward_inputs(4, 32, torch.float32)
+    with pytest.raises(ValueError, match="must be x's shape"):
+        ln_backward(dy[:, :16], x, mean, rstd, w)
+    with pytest.raises(ValueError, match="must be x's shape"):
+        ln_backward(dy, x, mean, rstd, w, residual=res[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_backward_at_1558m_shape():
+    """The compiled backward at 1558M:16's shape (bf16 in, bf16 dx) against the torch reference."""
+    dy, x, mean, rstd, w, res = backward_inputs(16384, 1600, torch.bfloat16, seed=2)
+    got = ln_backward(dy, x, mean, rstd, w, residual=res)
+    want = ln_backward_reference(dy, x, mean, rstd, w, residual=res)
+    torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+    for g, r in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-3, atol=1e-2)
 
 
 @pytest.mark.gpu

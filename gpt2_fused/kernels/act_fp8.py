@@ -35,7 +35,7 @@ def act_fp8_kernel(
     g_ptr,  # (M, N) in: the gradient (DGELU, COPY); unused for GELU
     h_ptr,  # (M, N) in: the pre-activation (GELU, DGELU); unused for COPY
     q_ptr,  # (M, N) out, FP8
-    qt_ptr,  # (N, M) out, FP8 (when TRANSPOSED)
+    qt_ptr,  # (N, M) out, FP8 as uint8 (when TRANSPOSED)
     scale_ptr,  # (1,) fp32 in
     amax_ptr,  # (1,) fp32 in/out: atomic max
     sums_ptr,  # (cdiv(M, BM), N) fp32 out: each row of tiles' column sums of out (when SUMS)
@@ -69,12 +69,12 @@ def act_fp8_kernel(
     out = tl.where(mask, out, 0.0)
     scale = tl.load(scale_ptr)
     clamped = tl.minimum(tl.maximum(out * scale, -FP8_MAX), FP8_MAX)
-    tl.store(q_ptr + offs, to_dtype(clamped, q_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-    if TRANSPOSED:  # the fp32 tile transposed in registers, then rounded (the same values)
+    q = to_dtype(clamped, q_ptr.dtype.element_ty, INTERPRETED)
+    tl.store(q_ptr + offs, q, mask=mask)
+    if TRANSPOSED:  # q's own bytes transposed in registers: the compiler may not recompute them
         offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
         mask_t = (cols < N)[:, None] & (rows < M)[None, :]
-        q_t = to_dtype(tl.trans(clamped), qt_ptr.dtype.element_ty, INTERPRETED)
-        tl.store(qt_ptr + offs_t, q_t, mask=mask_t)
+        tl.store(qt_ptr + offs_t, tl.trans(q.to(tl.uint8, bitcast=True)), mask=mask_t)
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(out), axis=1), axis=0))
     if SUMS:  # a bias gradient from the unrounded values, in a fixed order (no atomics)
         tl.store(sums_ptr + tl.program_id(0).to(tl.int64) * N + cols, tl.sum(out, axis=0),
@@ -106,7 +106,8 @@ def act_fp8(mode, scale, amax, *, h=None, g=None, fp8=torch.float8_e4m3fn, trans
     partial = torch.empty((triton.cdiv(M, BM) if sums else 0, N), device=a.device,
                           dtype=torch.float32)  # fmt: skip
     act_fp8_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
-        a if g is None else g, a if h is None else h, q, qt, scale, amax, partial, M, N,
+        a if g is None else g, a if h is None else h, q, qt.view(torch.uint8), scale, amax,
+        partial, M, N,
         FP8_MAX=FP8_MAX[fp8], MODE=MODES.index(mode), TRANSPOSED=transposed, SUMS=sums, BM=BM,
         BN=BN, INTERPRETED=a.device.type != "cuda", num_warps=4,
     )  # fmt: skip

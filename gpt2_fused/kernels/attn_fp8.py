@@ -14,8 +14,8 @@ Backward, from dout:
     dqkv, db_attn = [dq | dk | dv], its column sums                     colsum.qkv_grad
     q8, q8T = e5m2(dqkv * s_q)                                          act_fp8 "copy"
     dW_attn = q8T y8T^T,  dy = q8 W_attn8,  dx = dout + LayerNorm's backward of dy
-Scales: tensorwise, delayed for the activations and gradients (y, o, d, q), just in time for the
-weights (fp8_gemm.py). attn_fp8_reference is the same half block in fp32 torch.
+Scales: tensorwise and delayed (fp8_gemm.py), the weights' too: their cast writes W8 and W8^T.
+attn_fp8_reference is the same half block in fp32 torch.
 """
 
 import torch
@@ -23,11 +23,12 @@ import torch.nn.functional as F
 
 from gpt2_fused.kernels.act_fp8 import act_fp8
 from gpt2_fused.kernels.colsum import qkv_grad
-from gpt2_fused.kernels.fp8_gemm import E4, E5, Fp8State, cast_weight, layer_norm_backward
+from gpt2_fused.kernels.fp8_gemm import E4, E5, Fp8State
 from gpt2_fused.kernels.fp8_gemm import scaled_mm as _mm
-from gpt2_fused.kernels.ln_fp8 import ln_fp8
+from gpt2_fused.kernels.ln_fp8 import ln_backward, ln_fp8
 
-NAMES = ("y", "o", "d", "q")  # the delayed-scaled tensors: LN output, attention out, dout, dqkv
+# the delayed-scaled tensors: LN output, attention out, dout, dqkv, and the two weights
+NAMES = ("y", "o", "d", "q", "w_attn", "w_proj")
 
 
 def _split_heads(qkv, n_head):
@@ -76,41 +77,42 @@ class AttnFp8(torch.autograd.Function):
         x2, dt = x.reshape(B * T, C), torch.bfloat16
         s_y, (_, y8, _, mean, rstd) = state.cast("y", E4, lambda scale, amax: ln_fp8(
             x2, ln_w, ln_b, eps, scale=scale, amax=amax, store_y=False))  # fmt: skip
-        w_attn8, inv_attn = cast_weight(w_attn)
-        w_proj8, inv_proj = cast_weight(w_proj)
+        inv_attn, w_attn8, w_attn8t = state.cast_weight("w_attn", w_attn)
+        inv_proj, w_proj8, w_proj8t = state.cast_weight("w_proj", w_proj)
         qkv = _mm(y8, w_attn8.t(), 1 / s_y, inv_attn, dt, b_attn.to(dt)).view(B, T, 3 * C)
         o, saved = _attend(qkv, n_head)
         o2 = o.reshape(B * T, C).contiguous()
         s_o, (o8, o8t) = state.cast("o", E4, lambda scale, amax: act_fp8(
             "copy", scale, amax, g=o2, transposed=True))  # fmt: skip
-        out = x2.to(dt) + _mm(o8, w_proj8.t(), 1 / s_o, inv_proj, dt, b_proj.to(dt))
-        ctx.save_for_backward(x2, mean, rstd, ln_w, y8, qkv, o8t, w_attn8, w_proj8, inv_attn,
+        out = x2 + _mm(o8, w_proj8.t(), 1 / s_o, inv_proj, dt, b_proj.to(dt))  # x's dtype
+        ctx.save_for_backward(x2, mean, rstd, ln_w, y8, qkv, o8t, w_attn8t, w_proj8t, inv_attn,
                               inv_proj, s_y, s_o)  # fmt: skip
         ctx.saved_attention, ctx.n_head, ctx.state = saved, n_head, state
         ctx.dtypes = x.dtype, w_attn.dtype, w_proj.dtype
         ctx.has_ln_b = ln_b is not None
-        return out.view(B, T, C).to(x.dtype)
+        return out.view(B, T, C)
 
     @staticmethod
     def backward(ctx, dout):
-        x2, mean, rstd, ln_w, y8, qkv, o8t, w_attn8, w_proj8, inv_attn, inv_proj, s_y, s_o = (
+        x2, mean, rstd, ln_w, y8, qkv, o8t, w_attn8t, w_proj8t, inv_attn, inv_proj, s_y, s_o = (
             ctx.saved_tensors
         )
         state, dt, (B, T, C3) = ctx.state, torch.bfloat16, qkv.shape
+        fast = state.fast_grads
         x_dtype, dw_attn_dtype, dw_proj_dtype = ctx.dtypes
         d = dout.reshape(B * T, C3 // 3).to(dt).contiguous()
         s_d, (d8, d8t, db_proj) = state.cast("d", E5, lambda scale, amax: act_fp8(
             "copy", scale, amax, g=d, fp8=E5, transposed=True, sums=True))  # fmt: skip
-        dw_proj = _mm(d8t, o8t.t(), 1 / s_d, 1 / s_o, torch.float32)
-        do = _mm(d8, w_proj8.t().contiguous().t(), 1 / s_d, inv_proj, dt)
+        dw_proj = _mm(d8t, o8t.t(), 1 / s_d, 1 / s_o, torch.float32, fast=fast)
+        do = _mm(d8, w_proj8t.t(), 1 / s_d, inv_proj, dt, fast=fast)
         dq, dk, dv = _attend_backward(do.view(B, T, -1), qkv, ctx.n_head, ctx.saved_attention)
         dqkv, db_attn = qkv_grad(dq, dk, dv)
         s_q, (q8, q8t) = state.cast("q", E5, lambda scale, amax: act_fp8(
             "copy", scale, amax, g=dqkv, fp8=E5, transposed=True))  # fmt: skip
-        dw_attn = _mm(q8t, y8.t().contiguous().t(), 1 / s_q, 1 / s_y, torch.float32)
-        dy = _mm(q8, w_attn8.t().contiguous().t(), 1 / s_q, inv_attn, torch.float32)
-        dx, dln_w, dln_b = layer_norm_backward(dy, x2, mean, rstd, ln_w)
-        dx = (d.float() + dx).to(x_dtype).view(B, T, C3 // 3)
+        dw_attn = _mm(q8t, y8.t().contiguous().t(), 1 / s_q, 1 / s_y, torch.float32, fast=fast)
+        dy = _mm(q8, w_attn8t.t(), 1 / s_q, inv_attn, dt, fast=fast)
+        dx, dln_w, dln_b = ln_backward(dy, x2, mean, rstd, ln_w, residual=d, out_dtype=x_dtype)
+        dx = dx.view(B, T, C3 // 3)
         return (dx, dln_w, dln_b if ctx.has_ln_b else None, dw_attn.to(dw_attn_dtype),
                 db_attn.to(dw_attn_dtype), dw_proj.to(dw_proj_dtype), db_proj.to(dw_proj_dtype),
                 None, None, None)  # fmt: skip
@@ -123,9 +125,9 @@ def attn_fp8(x, ln, w_attn, b_attn, w_proj, b_proj, n_head, state):
                          ln.eps)  # fmt: skip
 
 
-def attn_state(device):
+def attn_state(device, fast_grads=False):
     """A new Fp8State for one attn_fp8 call site."""
-    return Fp8State(device, NAMES)
+    return Fp8State(device, NAMES, fast_grads)
 
 
 def attn_fp8_reference(x, ln, w_attn, b_attn, w_proj, b_proj, n_head):

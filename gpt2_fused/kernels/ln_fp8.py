@@ -16,8 +16,15 @@ for y8 and amax. Rowwise needs no history: a row's amax is known in the program 
 Which one keeps quality within issue 56's 0.02 nats is for bench/quality_pair.sh to say.
 
 ln_fp8 is the launcher; ln_fp8_reference the same in torch (fp32 statistics, torch's own
-float8 cast, which rounds to nearest-even and saturates here by the clamp). Forward only: the
-backward is LayerNorm's own, from mean and rstd (returned) and y or x.
+float8 cast, which rounds to nearest-even and saturates here by the clamp).
+
+The backward, ln_backward, is LayerNorm's own from mean and rstd, with the residual's gradient
+added in the same pass (the half blocks' dx = dout + LN'(dy)); one program a group of rows:
+
+    xhat = (x - mean) rstd,  g = dy w
+    dx   = rstd (g - mean_d(g) - xhat mean_d(g xhat)) + residual
+    dw   = sum_rows(dy xhat),  db = sum_rows(dy)      each program's share, summed after
+ln_backward_reference is the same in torch.
 """
 
 import torch
@@ -117,6 +124,81 @@ def ln_fp8(x, weight, bias, eps, *, scale=None, amax=None, store_y=True, rows=4)
     )  # fmt: skip
     shape = x.shape
     return (y.view(shape) if store_y else None), y8.view(shape), scale_out, mean, rstd
+
+
+@triton.jit
+def ln_backward_kernel(
+    dy_ptr,  # (M, D) in: the gradient of the LayerNorm's output
+    x_ptr,  # (M, D) in: its input
+    res_ptr,  # (M, D) in: a gradient added to dx (when HAS_RES)
+    w_ptr,  # (D,) LayerNorm weight
+    mean_ptr,  # (M,) fp32
+    rstd_ptr,  # (M,) fp32
+    dx_ptr,  # (M, D) out, x's dtype
+    dw_ptr,  # (programs, D) fp32 out: each program's share of dw
+    db_ptr,  # (programs, D) fp32 out: each program's share of db
+    M,
+    D,
+    BLOCK_D: tl.constexpr,  # >= D, a power of two
+    ROWS: tl.constexpr,  # rows a program
+    HAS_RES: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for i in range(ROWS):
+        row = tl.program_id(0) * ROWS + i
+        if row < M:
+            offs = row.to(tl.int64) * D + cols
+            x = tl.load(x_ptr + offs, mask=col_ok, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offs, mask=col_ok, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + row)
+            xhat = tl.where(col_ok, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
+            g = dy * w
+            dx = rstd * (g - tl.sum(g, axis=0) / D - xhat * (tl.sum(g * xhat, axis=0) / D))
+            if HAS_RES:
+                dx += tl.load(res_ptr + offs, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + offs, to_dtype(dx, dx_ptr.dtype.element_ty, INTERPRETED), mask=col_ok)
+            dw += dy * xhat
+            db += dy
+    tl.store(dw_ptr + tl.program_id(0).to(tl.int64) * D + cols, dw, mask=col_ok)
+    tl.store(db_ptr + tl.program_id(0).to(tl.int64) * D + cols, db, mask=col_ok)
+
+
+def ln_backward(dy, x, mean, rstd, weight, *, residual=None, out_dtype=None, rows=16):
+    """(dx, dw, db) of LayerNorm y = (x - mean) rstd w + b for dy, all (M, D) (module
+    docstring): dx in out_dtype (x's by default) with `residual` added when given; dw and db in
+    the weight's dtype, each row group's share summed in a fixed order."""
+    M, D = x.shape
+    if dy.shape != x.shape or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"ln_backward: dy {tuple(dy.shape)} and residual must be x's shape "
+                         f"{tuple(x.shape)}")  # fmt: skip
+    dy, x = dy.contiguous(), x.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    dx = torch.empty((M, D), device=x.device, dtype=out_dtype or x.dtype)
+    programs = triton.cdiv(M, rows)
+    dw = torch.empty((programs, D), device=x.device, dtype=torch.float32)
+    db = torch.empty_like(dw)
+    ln_backward_kernel[(programs,)](
+        dy, x, dy if residual is None else residual, weight, mean, rstd, dx, dw, db, M, D,
+        BLOCK_D=triton.next_power_of_2(D), ROWS=rows, HAS_RES=residual is not None,
+        INTERPRETED=x.device.type != "cuda", num_warps=4 if D <= 1024 else 8,
+    )  # fmt: skip
+    return dx, dw.sum(0).to(weight.dtype), db.sum(0).to(weight.dtype)
+
+
+def ln_backward_reference(dy, x, mean, rstd, weight, *, residual=None, out_dtype=None):
+    """ln_backward in torch, fp32 math."""
+    xhat = (x.float() - mean[:, None]) * rstd[:, None]
+    g = dy.float() * weight.float()
+    dx = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    if residual is not None:
+        dx = dx + residual.float()
+    dw, db = (dy.float() * xhat).sum(0), dy.float().sum(0)
+    return dx.to(out_dtype or x.dtype), dw.to(weight.dtype), db.to(weight.dtype)
 
 
 def ln_fp8_reference(x, weight, bias, eps, *, scale=None):

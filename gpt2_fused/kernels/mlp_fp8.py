@@ -11,10 +11,9 @@ Backward, from dout (= d out / d x's residual share as well):
     dh8, dh8T = e5m2(da * gelu'(h) * s_h) act_fp8 "dgelu": one pass over da and h
     dW_fc = dh8T y8T^T,  dy = dh8 W_fc8,  db_fc = sum_rows(dh), db_proj = sum_rows(dout)
                                           (the bias sums from the casts' own passes, unrounded)
-    dx = dout + LayerNorm's backward of dy             (torch, from mean and rstd)
+    dx = dout + LayerNorm's backward of dy             (ln_backward, one pass)
 
-Scales: tensorwise, delayed for the activations and gradients (s_y, s_a, s_d, s_h), just in
-time for the weights (fp8_gemm.py).
+Scales: tensorwise and delayed (fp8_gemm.py), the weights' too: their cast writes W8 and W8^T.
 mlp_fp8_reference is the same half block in fp32 torch.
 """
 
@@ -22,11 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from gpt2_fused.kernels.act_fp8 import act_fp8
-from gpt2_fused.kernels.fp8_gemm import E4, E5, Fp8State, cast_weight, layer_norm_backward
+from gpt2_fused.kernels.fp8_gemm import E4, E5, Fp8State
 from gpt2_fused.kernels.fp8_gemm import scaled_mm as _mm
-from gpt2_fused.kernels.ln_fp8 import ln_fp8
+from gpt2_fused.kernels.ln_fp8 import ln_backward, ln_fp8
 
-NAMES = ("y", "a", "d", "h")  # the delayed-scaled tensors: LN output, GELU output, dout, dh
+# the delayed-scaled tensors: LN output, GELU output, dout, dh, and the two weights
+NAMES = ("y", "a", "d", "h", "w_fc", "w_proj")
 
 
 class MlpFp8(torch.autograd.Function):
@@ -36,42 +36,39 @@ class MlpFp8(torch.autograd.Function):
         x2 = x.reshape(-1, D)
         s_y, (_, y8, _, mean, rstd) = state.cast("y", E4, lambda scale, amax: ln_fp8(
             x2, ln_w, ln_b, eps, scale=scale, amax=amax, store_y=False))  # fmt: skip
-        w_fc8, inv_fc = cast_weight(w_fc)
-        w_proj8, inv_proj = cast_weight(w_proj)
+        inv_fc, w_fc8, w_fc8t = state.cast_weight("w_fc", w_fc)
+        inv_proj, w_proj8, w_proj8t = state.cast_weight("w_proj", w_proj)
         dt = torch.bfloat16
         h = _mm(y8, w_fc8.t(), 1 / s_y, inv_fc, dt, b_fc.to(dt))
         s_a, (a8, a8t) = state.cast("a", E4, lambda scale, amax: act_fp8(
             "gelu", scale, amax, h=h, transposed=True))  # fmt: skip
-        out = _mm(a8, w_proj8.t(), 1 / s_a, inv_proj, dt, b_proj.to(dt))
-        out = x2.to(dt) + out
-        ctx.save_for_backward(x2, mean, rstd, ln_w, y8, h, a8t, w_fc8, w_proj8, inv_fc, inv_proj,
-                              s_y, s_a)  # fmt: skip
+        out = x2 + _mm(a8, w_proj8.t(), 1 / s_a, inv_proj, dt, b_proj.to(dt))  # x's dtype
+        ctx.save_for_backward(x2, mean, rstd, ln_w, y8, h, a8t, w_fc8t, w_proj8t, inv_fc,
+                              inv_proj, s_y, s_a)  # fmt: skip
         ctx.state, ctx.shape, ctx.dtypes = state, shape, (x.dtype, w_fc.dtype, w_proj.dtype)
         ctx.has_ln_b = ln_b is not None
-        return out.view(shape).to(x.dtype)
+        return out.view(shape)
 
     @staticmethod
     def backward(ctx, dout):
-        x2, mean, rstd, ln_w, y8, h, a8t, w_fc8, w_proj8, inv_fc, inv_proj, s_y, s_a = (
+        x2, mean, rstd, ln_w, y8, h, a8t, w_fc8t, w_proj8t, inv_fc, inv_proj, s_y, s_a = (
             ctx.saved_tensors
         )
-        state, dt = ctx.state, torch.bfloat16
+        state, dt, fast = ctx.state, torch.bfloat16, ctx.state.fast_grads
         x_dtype, dw_fc_dtype, dw_proj_dtype = ctx.dtypes
         d = dout.reshape(-1, x2.shape[1]).to(dt).contiguous()
         s_d, (d8, d8t, db_proj) = state.cast("d", E5, lambda scale, amax: act_fp8(
             "copy", scale, amax, g=d, fp8=E5, transposed=True, sums=True))  # fmt: skip
-        dw_proj = _mm(d8t, a8t.t(), 1 / s_d, 1 / s_a, torch.float32)
-        da = _mm(d8, w_proj8.t().contiguous().t(), 1 / s_d, inv_proj, dt)
+        dw_proj = _mm(d8t, a8t.t(), 1 / s_d, 1 / s_a, torch.float32, fast=fast)
+        da = _mm(d8, w_proj8t.t(), 1 / s_d, inv_proj, dt, fast=fast)
         s_h, (dh8, dh8t, db_fc) = state.cast("h", E5, lambda scale, amax: act_fp8(
             "dgelu", scale, amax, h=h, g=da, fp8=E5, transposed=True, sums=True))  # fmt: skip
-        y8t = y8.t().contiguous()
-        dw_fc = _mm(dh8t, y8t.t(), 1 / s_h, 1 / s_y, torch.float32)
-        dy = _mm(dh8, w_fc8.t().contiguous().t(), 1 / s_h, inv_fc, torch.float32)
-        dx, dln_w, dln_b = layer_norm_backward(dy, x2, mean, rstd, ln_w)
-        dx = (d.float() + dx).to(x_dtype).view(ctx.shape)
-        return (dx, dln_w, dln_b if ctx.has_ln_b else None, dw_fc.to(dw_fc_dtype),
-                db_fc.to(dw_fc_dtype), dw_proj.to(dw_proj_dtype), db_proj.to(dw_proj_dtype), None,
-                None)  # fmt: skip
+        dw_fc = _mm(dh8t, y8.t().contiguous().t(), 1 / s_h, 1 / s_y, torch.float32, fast=fast)
+        dy = _mm(dh8, w_fc8t.t(), 1 / s_h, inv_fc, dt, fast=fast)
+        dx, dln_w, dln_b = ln_backward(dy, x2, mean, rstd, ln_w, residual=d, out_dtype=x_dtype)
+        return (dx.view(ctx.shape), dln_w, dln_b if ctx.has_ln_b else None,
+                dw_fc.to(dw_fc_dtype), db_fc.to(dw_fc_dtype), dw_proj.to(dw_proj_dtype),
+                db_proj.to(dw_proj_dtype), None, None)  # fmt: skip
 
 
 def mlp_fp8(x, ln, w_fc, b_fc, w_proj, b_proj, state):
@@ -80,9 +77,9 @@ def mlp_fp8(x, ln, w_fc, b_fc, w_proj, b_proj, state):
     return MlpFp8.apply(x, ln.weight, ln.bias, w_fc, b_fc, w_proj, b_proj, state, ln.eps)
 
 
-def mlp_state(device):
+def mlp_state(device, fast_grads=False):
     """A new Fp8State for one mlp_fp8 call site."""
-    return Fp8State(device, NAMES)
+    return Fp8State(device, NAMES, fast_grads)
 
 
 def mlp_fp8_reference(x, ln, w_fc, b_fc, w_proj, b_proj):
