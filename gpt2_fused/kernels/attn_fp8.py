@@ -21,7 +21,7 @@ attn_fp8_reference is the same half block in fp32 torch.
 import torch
 import torch.nn.functional as F
 
-from gpt2_fused.kernels.act_fp8 import act_fp8
+from gpt2_fused.kernels.act_fp8 import act_fp8, transpose_fp8
 from gpt2_fused.kernels.colsum import qkv_grad
 from gpt2_fused.kernels.fp8_gemm import E4, E5, Fp8State
 from gpt2_fused.kernels.fp8_gemm import scaled_mm as _mm
@@ -109,7 +109,7 @@ class AttnFp8(torch.autograd.Function):
         dqkv, db_attn = qkv_grad(dq, dk, dv)
         s_q, (q8, q8t) = state.cast("q", E5, lambda scale, amax: act_fp8(
             "copy", scale, amax, g=dqkv, fp8=E5, transposed=True))  # fmt: skip
-        dw_attn = _mm(q8t, y8.t().contiguous().t(), 1 / s_q, 1 / s_y, torch.float32, fast=fast)
+        dw_attn = _mm(q8t, transpose_fp8(y8).t(), 1 / s_q, 1 / s_y, torch.float32, fast=fast)
         dy = _mm(q8, w_attn8t.t(), 1 / s_q, inv_attn, dt, fast=fast)
         dx, dln_w, dln_b = ln_backward(dy, x2, mean, rstd, ln_w, residual=d, out_dtype=x_dtype)
         dx = dx.view(B, T, C3 // 3)

@@ -20,7 +20,7 @@ mlp_fp8_reference is the same half block in fp32 torch.
 import torch
 import torch.nn.functional as F
 
-from gpt2_fused.kernels.act_fp8 import act_fp8
+from gpt2_fused.kernels.act_fp8 import act_fp8, transpose_fp8
 from gpt2_fused.kernels.fp8_gemm import E4, E5, Fp8State
 from gpt2_fused.kernels.fp8_gemm import scaled_mm as _mm
 from gpt2_fused.kernels.ln_fp8 import ln_backward, ln_fp8
@@ -63,7 +63,7 @@ class MlpFp8(torch.autograd.Function):
         da = _mm(d8, w_proj8t.t(), 1 / s_d, inv_proj, dt, fast=fast)
         s_h, (dh8, dh8t, db_fc) = state.cast("h", E5, lambda scale, amax: act_fp8(
             "dgelu", scale, amax, h=h, g=da, fp8=E5, transposed=True, sums=True))  # fmt: skip
-        dw_fc = _mm(dh8t, y8.t().contiguous().t(), 1 / s_h, 1 / s_y, torch.float32, fast=fast)
+        dw_fc = _mm(dh8t, transpose_fp8(y8).t(), 1 / s_h, 1 / s_y, torch.float32, fast=fast)
         dy = _mm(dh8, w_fc8t.t(), 1 / s_h, inv_fc, dt, fast=fast)
         dx, dln_w, dln_b = ln_backward(dy, x2, mean, rstd, ln_w, residual=d, out_dtype=x_dtype)
         return (dx.view(ctx.shape), dln_w, dln_b if ctx.has_ln_b else None,
