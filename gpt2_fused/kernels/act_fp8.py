@@ -72,6 +72,7 @@ def act_fp8_kernel(
     FP8_MAX: tl.constexpr,
     E5M2: tl.constexpr,  # e5m2, else e4m3
     MODE: tl.constexpr,  # 0 GELU, 1 DGELU, 2 COPY
+    STORE_Q: tl.constexpr,  # the row-major copy (else only the transposed one)
     TRANSPOSED: tl.constexpr,
     HOW: tl.constexpr,  # store_transposed's
     SUMS: tl.constexpr,
@@ -101,7 +102,8 @@ def act_fp8_kernel(
     clamped = tl.minimum(tl.maximum(out * scale, -FP8_MAX), FP8_MAX)
     fp8 = tl.float8e5 if E5M2 else tl.float8e4nv
     bits = to_dtype(clamped, fp8, INTERPRETED).to(tl.uint8, bitcast=True)
-    tl.store(q_ptr + offs, bits, mask=mask)
+    if STORE_Q:
+        tl.store(q_ptr + offs, bits, mask=mask)
     if TRANSPOSED:
         store_transposed(qt_ptr, bits, rows, cols, M, N, BM, BN, HOW)
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(out), axis=1), axis=0))
@@ -140,7 +142,7 @@ def act_fp8(mode, scale, amax, *, h=None, g=None, fp8=torch.float8_e4m3fn, trans
         a if g is None else g, a if h is None else h, q.view(torch.uint8),
         qt.view(torch.int16 if transposed and how == 0 else torch.uint8), scale, amax, partial,
         M, N, FP8_MAX=FP8_MAX[fp8], E5M2=fp8 == torch.float8_e5m2, MODE=MODES.index(mode),
-        TRANSPOSED=transposed, HOW=how, SUMS=sums, BM=BM, BN=BN,
+        STORE_Q=True, TRANSPOSED=transposed, HOW=how, SUMS=sums, BM=BM, BN=BN,
         INTERPRETED=a.device.type != "cuda", num_warps=4,
     )  # fmt: skip
     out = q, (qt if transposed else None)
