@@ -65,7 +65,8 @@ def check(x, w, b, h, g):
     """Each fused kernel against its reference; AssertionError where an e4m3/e5m2 value is more
     than one step off (beyond a few in 10^4 near rounding ties: bf16 inputs, fp32 math). The
     transposed copy, for each way of storing it (act_fp8.store_transposed): {how: bytes of qt
-    that are not q^T's}, printed; AssertionError unless how 0 has none."""
+    that are not q^T's}, printed; AssertionError where any is wrong (triton-lang/triton#11111:
+    set TRITON_PTXAS_PATH to a CUDA 13 ptxas)."""
     s, amax = torch.tensor([8.0], device="cuda"), torch.zeros(1, device="cuda")
     _, y8, *_ = ln_fp8(x, w, b, EPS, scale=s, amax=amax, store_y=False)
     ref = ln_fp8_reference(x, w, b, EPS, scale=s)[1]
@@ -74,7 +75,7 @@ def check(x, w, b, h, g):
     for mode, fp8, kw in (("gelu", E4, dict(h=h)), ("dgelu", E5, dict(h=h, g=g)),
                           ("copy", E5, dict(g=g))):  # fmt: skip
         sc = torch.tensor([4.0 if fp8 == E4 else 2.0**12], device="cuda")
-        for how in (0, 1, 2):
+        for how in (0, 1):
             q, qt = act_fp8(mode, sc, torch.zeros(1, device="cuda"), fp8=fp8, transposed=True,
                             how=how, **kw)  # fmt: skip
             rq = act_fp8_reference(mode, sc, fp8=fp8, **kw)[1]
@@ -82,7 +83,7 @@ def check(x, w, b, h, g):
             bad = (qt.view(torch.uint8) != q.view(torch.uint8).t()).sum().item()
             wrong[f"{mode} how={how}"] = bad
     print("bytes of q^T wrong:", wrong)
-    assert not any(n for k, n in wrong.items() if k.endswith("how=0")), wrong
+    assert not any(wrong.values()), wrong
     return wrong
 
 
@@ -113,10 +114,8 @@ def main():
             lambda h: act_fp8("gelu", s4, amax, h=h, transposed=True, block=(128, 64)), "h"),
         "gelu: the same, 64 x 128 tiles": (
             lambda h: act_fp8("gelu", s4, amax, h=h, transposed=True, block=(64, 128)), "h"),
-        "gelu: the same, bytes transposed (how=1)": (
+        "gelu: the same, transposed addresses (how=1)": (
             lambda h: act_fp8("gelu", s4, amax, h=h, transposed=True, how=1), "h"),
-        "gelu: the same, transposed addresses (how=2)": (
-            lambda h: act_fp8("gelu", s4, amax, h=h, transposed=True, how=2), "h"),
         "gelu: act_fp8 gelu, e4m3, no transpose": (
             lambda h: act_fp8("gelu", s4, amax, h=h), "h"),
         "dgelu: act_fp8 dgelu, e5m2 + transpose + bias sum": (
@@ -131,8 +130,7 @@ def main():
         "ln: ln_fp8 rowwise, bf16 y + e4m3 copy": 5,
         "gelu: GELU + dynamic e4m3 cast + transpose": 4, "gelu: act_fp8 gelu, e4m3 + transpose": 4,
         "gelu: the same, 128 x 64 tiles": 4, "gelu: the same, 64 x 128 tiles": 4,
-        "gelu: the same, bytes transposed (how=1)": 4,
-        "gelu: the same, transposed addresses (how=2)": 4,
+        "gelu: the same, transposed addresses (how=1)": 4,
         "gelu: act_fp8 gelu, e4m3, no transpose": 3,
         "dgelu: GELU grad + dynamic e5m2 cast + transpose + bias sum": 6,
         "dgelu: act_fp8 dgelu, e5m2 + transpose + bias sum": 6,

@@ -14,6 +14,12 @@ out=${1:-${OUT:-out/fp8_fused}}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+# Triton 3.6's bundled ptxas (12.8) miscompiles act_fp8's transposed GELU-gradient copy
+# (triton-lang/triton#11111, bench/RESULTS.md#fp8-fused-casts); the machine's CUDA 13 one does not
+for p in /usr/local/cuda-13*/bin/ptxas /usr/local/cuda/bin/ptxas; do
+    if [ -x "$p" ] && "$p" --version | grep -q "release 13"; then export TRITON_PTXAS_PATH=$p; break; fi
+done
+echo "TRITON_PTXAS_PATH=${TRITON_PTXAS_PATH:-bundled}"
 $py -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_ln_fp8.py tests/test_act_fp8.py \
     tests/test_mlp_fp8.py tests/test_attn_fp8.py >"$out/pytest.txt" 2>&1
 $py -m pytest -q -m gpu -p no:cacheprovider -rf --tb=line tests/test_fp8.py -k "fused or check" \

@@ -94,7 +94,7 @@ def test_column_sums_are_the_unrounded_outputs(mode):
     torch.testing.assert_close(sums, out.sum(0), rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("M, N", [(2, 3), (50, 70), (128, 64)])
+@pytest.mark.parametrize("M, N", [(3, 5), (50, 70), (128, 64)])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_transpose_fp8_is_torchs_transpose(M, N, fp8):
     g = torch.Generator(device="cpu").manual_seed(M)
@@ -102,11 +102,3 @@ def test_transpose_fp8_is_torchs_transpose(M, N, fp8):
     qt = transpose_fp8(q, block=(32, 32))
     assert qt.dtype == fp8 and qt.is_contiguous()
     assert torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t())
-
-
-def test_transposed_copies_need_an_even_row_count():
-    with pytest.raises(ValueError, match="even number of rows"):
-        transpose_fp8(torch.zeros(3, 4, device=DEV).to(torch.float8_e4m3fn))
-    with pytest.raises(ValueError, match="even number of rows"):
-        act_fp8("copy", torch.ones(1, device=DEV), torch.zeros(1, device=DEV),
-                g=torch.zeros(3, 4, device=DEV), transposed=True)  # fmt: skip

@@ -163,9 +163,27 @@ def test_check_passes_on_an_fp8_gpu_whatever_the_sharding(monkeypatch):
     check does not depend on it: rowwise + FSDP2 gathers the fp32 weights); check() never asks
     torch for the GPU beyond what _cuda_gpu fakes."""
     _cuda_gpu(monkeypatch, "NVIDIA H200", (9, 0))
-    monkeypatch.setattr(fp8, "_tiny_step", lambda recipe, device: None)
+    seen = []
+    monkeypatch.setattr(fp8, "_tiny_step", lambda recipe, device: seen.append(device))
     for recipe in RECIPES:
-        fp8.check(recipe, torch.device("cuda"))
+        for device in ("cuda", torch.device("cuda")):  # train.py passes the string
+            fp8.check(recipe, device)
+    assert seen and all(d == torch.device("cuda") for d in seen)
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_check_fused_refuses_a_ptxas_that_miscompiles_the_transposes(monkeypatch, right):
+    """--fp8=fused runs its tiny step, then checks the transposed FP8 copies byte for byte
+    (Triton 3.6's bundled ptxas gets them wrong on an H200): a one-line way out when wrong."""
+    _cuda_gpu(monkeypatch, "NVIDIA H200", (9, 0))
+    monkeypatch.setattr(fp8, "_tiny_fused_step", lambda device: None)
+    monkeypatch.setattr(fp8, "_transposes_right", lambda device: right)
+    if right:
+        fp8.check("fused", "cuda")
+        return
+    with pytest.raises(ValueError) as e:
+        fp8.check("fused", "cuda")
+    assert "TRITON_PTXAS_PATH" in str(e.value) and "\n" not in str(e.value)
 
 
 def _saved_and_loaded(state, tmp_path):

@@ -55,14 +55,22 @@ def check(recipe, device):
     its first step."""
     if recipe == "off":  # the name itself is TrainConfig's to check
         return
+    device = torch.device(device)
     if recipe == "fused":
         name = _check_gpu(recipe, device)
         try:
-            _tiny_fused_step(torch.device(device))
+            _tiny_fused_step(device)
         except Exception as e:  # a GPU or torch build without the FP8 GEMM
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ValueError(f"fp8='fused': FP8 GEMMs fail on {name} with torch "
                              f"{torch.__version__} ({first}): pass --fp8=off") from e  # fmt: skip
+        if not _transposes_right(device):
+            raise ValueError(
+                f"fp8='fused': on {name} Triton's ptxas miscompiles the kernel that writes the "
+                "transposed FP8 copies (triton-lang/triton#11111, ptxas 12.x): set "
+                "TRITON_PTXAS_PATH to a CUDA 13 ptxas (e.g. /usr/local/cuda/bin/ptxas) or pass "
+                "--fp8=tensorwise"
+            )
         return
     torchao = _import_torchao(recipe)
     ours, theirs = _version(torch.__version__), _version(torchao.__version__)
@@ -99,8 +107,8 @@ def check(recipe, device):
 
 
 def _check_gpu(recipe, device):
-    """ValueError unless `device` is a CUDA GPU with FP8 tensor cores; its name."""
-    device = torch.device(device)
+    """ValueError unless `device` (a torch.device) is a CUDA GPU with FP8 tensor cores; its
+    name."""
     if device.type != "cuda":
         raise ValueError(
             f"fp8={recipe!r} needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+: "
@@ -236,6 +244,19 @@ def _tiny_fused_step(device):
     out = mlp_fp8(x, ln, fc.weight, fc.bias, proj.weight, proj.bias, mlp_state(device))
     out.float().sum().backward()
     torch.cuda.synchronize(device)
+
+
+def _transposes_right(device):
+    """Whether act_fp8's transposed copy of a GELU gradient is its row-major copy transposed,
+    byte for byte, at 512 x 1024 (64 x 64 tiles) on `device`: Triton 3.6's bundled ptxas gets a
+    quarter of the bytes wrong there (bench/RESULTS.md#fp8-fused-casts)."""
+    from gpt2_fused.kernels.act_fp8 import act_fp8
+
+    g = torch.Generator(device=device).manual_seed(0)
+    h, dy = (torch.randn(512, 1024, device=device, generator=g).bfloat16() for _ in range(2))
+    q, qt = act_fp8("dgelu", torch.ones(1, device=device), torch.zeros(1, device=device), h=h,
+                    g=dy, fp8=torch.float8_e5m2, transposed=True)  # fmt: skip
+    return torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t())
 
 
 def _plain(t):

@@ -31,24 +31,14 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 @triton.jit
-def store_transposed(qt_ptr, bits, rows, cols, M, N, BM: tl.constexpr, BN: tl.constexpr,
-                     HOW: tl.constexpr):  # fmt: skip
-    """Store the (BM, BN) tile `bits` (uint8, the FP8 bytes of rows x cols) into qt (N, M)
-    transposed. HOW 0: rows 2i and 2i+1 packed into one 16-bit value first, so the transpose
-    moves 16-bit values (ptxas 12.9, which Triton 3.6-3.8 use on Hopper, can corrupt the 8-bit
-    layout conversion behind an 8-bit transpose when the kernel also stores the tile row-major:
-    triton-lang/triton#11111); qt_ptr is then qt as (N, M / 2) int16, M and BM even.
-    HOW 1: tl.trans of the bytes. HOW 2: the tile stored to transposed addresses, the layout
-    left to the compiler."""
+def store_transposed(qt_ptr, bits, rows, cols, M, N, HOW: tl.constexpr):
+    """Store the tile `bits` (uint8, the FP8 bytes of rows x cols) into qt (N, M) transposed.
+    HOW 0: tl.trans of the bytes; HOW 1: the tile stored to transposed addresses, the layout
+    conversion left to the compiler. Either way the compiler moves 8-bit values through shared
+    memory, which ptxas 12.x (bundled with Triton 3.6-3.8) miscompiles in some kernels, the
+    GELU gradient's among them (triton-lang/triton#11111; bench/RESULTS.md#fp8-fused-casts):
+    gpt2_fused/core/fp8.py checks it before a run."""
     if HOW == 0:
-        wide = bits.to(tl.uint16)
-        even, odd = tl.split(tl.permute(tl.reshape(wide, (BM // 2, 2, BN)), (0, 2, 1)))
-        pair = (even | (odd << 8)).to(tl.int16, bitcast=True)  # little-endian: even row first
-        prow = tl.program_id(0).to(tl.int64) * (BM // 2) + tl.arange(0, BM // 2)
-        offs = cols.to(tl.int64)[:, None] * (M // 2) + prow[None, :]
-        mask = (cols < N)[:, None] & (prow < M // 2)[None, :]
-        tl.store(qt_ptr + offs, tl.trans(pair), mask=mask)
-    elif HOW == 1:
         offs = cols.to(tl.int64)[:, None] * M + rows[None, :]
         mask = (cols < N)[:, None] & (rows < M)[None, :]
         tl.store(qt_ptr + offs, tl.trans(bits), mask=mask)
@@ -63,7 +53,7 @@ def act_fp8_kernel(
     g_ptr,  # (M, N) in: the gradient (DGELU, COPY); unused for GELU
     h_ptr,  # (M, N) in: the pre-activation (GELU, DGELU); unused for COPY
     q_ptr,  # (M, N) out: the FP8 bytes as uint8
-    qt_ptr,  # (N, M) out: the same transposed, uint8, or int16 pairs (store_transposed)
+    qt_ptr,  # (N, M) out: the same transposed, uint8 (when TRANSPOSED)
     scale_ptr,  # (1,) fp32 in
     amax_ptr,  # (1,) fp32 in/out: atomic max
     sums_ptr,  # (cdiv(M, BM), N) fp32 out: each row of tiles' column sums of out (when SUMS)
@@ -72,7 +62,6 @@ def act_fp8_kernel(
     FP8_MAX: tl.constexpr,
     E5M2: tl.constexpr,  # e5m2, else e4m3
     MODE: tl.constexpr,  # 0 GELU, 1 DGELU, 2 COPY
-    STORE_Q: tl.constexpr,  # the row-major copy (else only the transposed one)
     TRANSPOSED: tl.constexpr,
     HOW: tl.constexpr,  # store_transposed's
     SUMS: tl.constexpr,
@@ -102,10 +91,9 @@ def act_fp8_kernel(
     clamped = tl.minimum(tl.maximum(out * scale, -FP8_MAX), FP8_MAX)
     fp8 = tl.float8e5 if E5M2 else tl.float8e4nv
     bits = to_dtype(clamped, fp8, INTERPRETED).to(tl.uint8, bitcast=True)
-    if STORE_Q:
-        tl.store(q_ptr + offs, bits, mask=mask)
+    tl.store(q_ptr + offs, bits, mask=mask)
     if TRANSPOSED:
-        store_transposed(qt_ptr, bits, rows, cols, M, N, BM, BN, HOW)
+        store_transposed(qt_ptr, bits, rows, cols, M, N, HOW)
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(out), axis=1), axis=0))
     if SUMS:  # a bias gradient from the unrounded values, in a fixed order (no atomics)
         tl.store(sums_ptr + tl.program_id(0).to(tl.int64) * N + cols, tl.sum(out, axis=0),
@@ -118,7 +106,7 @@ def act_fp8(mode, scale, amax, *, h=None, g=None, fp8=torch.float8_e4m3fn, trans
     contiguous, one dtype) times scale ((1,) fp32), saturated and cast to `fp8`; qt = q^T
     contiguous when `transposed`; with `sums`, the output's column sums (N,) in fp32 before
     scaling and rounding (a bias gradient). amax ((1,) fp32) becomes max(amax, max |output|),
-    in place. how: store_transposed's (0 needs an even M)."""
+    in place. how: store_transposed's."""
     if mode not in MODES:
         raise ValueError(f"act_fp8: mode must be one of {MODES}, got {mode!r}")
     ins = [t for t in (h, g) if t is not None]
@@ -131,8 +119,6 @@ def act_fp8(mode, scale, amax, *, h=None, g=None, fp8=torch.float8_e4m3fn, trans
     if fp8 not in FP8_MAX:
         raise ValueError(f"act_fp8: fp8 must be one of {list(FP8_MAX)}, got {fp8}")
     M, N = a.shape
-    if transposed and how == 0 and M % 2:
-        raise ValueError(f"act_fp8: a transposed copy needs an even number of rows, got {M}")
     q = torch.empty((M, N), device=a.device, dtype=fp8)
     qt = torch.empty((N, M), device=a.device, dtype=fp8) if transposed else q
     BM, BN = block
@@ -140,9 +126,9 @@ def act_fp8(mode, scale, amax, *, h=None, g=None, fp8=torch.float8_e4m3fn, trans
                           dtype=torch.float32)  # fmt: skip
     act_fp8_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
         a if g is None else g, a if h is None else h, q.view(torch.uint8),
-        qt.view(torch.int16 if transposed and how == 0 else torch.uint8), scale, amax, partial,
+        qt.view(torch.uint8), scale, amax, partial,
         M, N, FP8_MAX=FP8_MAX[fp8], E5M2=fp8 == torch.float8_e5m2, MODE=MODES.index(mode),
-        STORE_Q=True, TRANSPOSED=transposed, HOW=how, SUMS=sums, BM=BM, BN=BN,
+        TRANSPOSED=transposed, HOW=how, SUMS=sums, BM=BM, BN=BN,
         INTERPRETED=a.device.type != "cuda", num_warps=4,
     )  # fmt: skip
     out = q, (qt if transposed else None)
@@ -155,21 +141,20 @@ def transpose_bytes_kernel(q_ptr, qt_ptr, M, N, BM: tl.constexpr, BN: tl.constex
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     bits = tl.load(q_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0)
-    store_transposed(qt_ptr, bits, rows, cols, M, N, BM, BN, 0)
+    store_transposed(qt_ptr, bits, rows, cols, M, N, 0)
 
 
 def transpose_fp8(q, block=(64, 64)):
-    """q^T contiguous, for an FP8 tensor q (M, N), M even: the operand layout a weight-gradient
-    GEMM reads (torch's own transposing copy is a strided elementwise kernel, ~8x slower here:
-    bench/RESULTS.md#fp8-fused)."""
+    """q^T contiguous, for a contiguous FP8 tensor q (M, N): the operand layout a weight-gradient
+    GEMM reads (torch's own transposing copy is a strided elementwise kernel: 0.16 ms for 1558M's
+    26 MB LayerNorm output, bench/RESULTS.md#fp8-fused-casts)."""
     M, N = q.shape
-    if M % 2 or not q.is_contiguous():
-        raise ValueError(f"transpose_fp8: q must be contiguous with an even number of rows, got "
-                         f"{tuple(q.shape)}")  # fmt: skip
+    if not q.is_contiguous():
+        raise ValueError("transpose_fp8: q must be contiguous")
     qt = torch.empty((N, M), device=q.device, dtype=q.dtype)
     BM, BN = block
     transpose_bytes_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
-        q.view(torch.uint8), qt.view(torch.int16), M, N, BM=BM, BN=BN, num_warps=4
+        q.view(torch.uint8), qt.view(torch.uint8), M, N, BM=BM, BN=BN, num_warps=4
     )
     return qt
 
