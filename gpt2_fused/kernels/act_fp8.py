@@ -24,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from gpt2_fused.kernels.fp8_scale import FP8_MAX, scale_and_amax
 from gpt2_fused.kernels.interpreter import to_dtype
 
 MODES = ("gelu", "dgelu", "copy")
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 @triton.jit
@@ -54,8 +54,11 @@ def act_fp8_kernel(
     h_ptr,  # (M, N) in: the pre-activation (GELU, DGELU); unused for COPY
     q_ptr,  # (M, N) out: the FP8 bytes as uint8
     qt_ptr,  # (N, M) out: the same transposed, uint8 (when TRANSPOSED)
-    scale_ptr,  # (1,) fp32 in
-    amax_ptr,  # (1,) fp32 in/out: atomic max
+    scale_ptr,  # (1,) fp32 in (unless DELAYED)
+    amax_ptr,  # (1,) fp32 in/out: atomic max (unless DELAYED)
+    slots_ptr,  # DELAYED: (3,) fp32, the amax slots (fp8_scale.py)
+    k3,  # DELAYED: the call's index mod 3
+    inv_ptr,  # DELAYED: (1,) fp32 out, 1 / scale
     sums_ptr,  # (cdiv(M, BM), N) fp32 out: each row of tiles' column sums of out (when SUMS)
     M,
     N,
@@ -65,6 +68,7 @@ def act_fp8_kernel(
     TRANSPOSED: tl.constexpr,
     HOW: tl.constexpr,  # store_transposed's
     SUMS: tl.constexpr,
+    DELAYED: tl.constexpr,  # the scale from the slots
     BM: tl.constexpr,
     BN: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -87,7 +91,9 @@ def act_fp8_kernel(
         else:
             out = g
     out = tl.where(mask, out, 0.0)
-    scale = tl.load(scale_ptr)
+    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+    scale, amax_ptr = scale_and_amax(scale_ptr, amax_ptr, slots_ptr, k3, inv_ptr, first, FP8_MAX,
+                                     DELAYED)  # fmt: skip
     clamped = tl.minimum(tl.maximum(out * scale, -FP8_MAX), FP8_MAX)
     fp8 = tl.float8e5 if E5M2 else tl.float8e4nv
     bits = to_dtype(clamped, fp8, INTERPRETED).to(tl.uint8, bitcast=True)
@@ -100,13 +106,14 @@ def act_fp8_kernel(
                  mask=cols < N)  # fmt: skip
 
 
-def act_fp8(mode, scale, amax, *, h=None, g=None, fp8=torch.float8_e4m3fn, transposed=False,
-            sums=False, block=(64, 64), how=0):  # fmt: skip
+def act_fp8(mode, scale=None, amax=None, *, h=None, g=None, fp8=torch.float8_e4m3fn,
+            transposed=False, sums=False, delayed=None, block=(64, 64), how=0):  # fmt: skip
     """(q, qt or None[, column sums]): `mode`'s output (module docstring) of h and/or g ((M, N),
     contiguous, one dtype) times scale ((1,) fp32), saturated and cast to `fp8`; qt = q^T
     contiguous when `transposed`; with `sums`, the output's column sums (N,) in fp32 before
     scaling and rounding (a bias gradient). amax ((1,) fp32) becomes max(amax, max |output|),
-    in place. how: store_transposed's."""
+    in place. Or, in place of scale and amax, delayed (a fp8_scale.Delayed): the scale from its
+    slots, which take this call's amax. how: store_transposed's."""
     if mode not in MODES:
         raise ValueError(f"act_fp8: mode must be one of {MODES}, got {mode!r}")
     ins = [t for t in (h, g) if t is not None]
@@ -116,6 +123,8 @@ def act_fp8(mode, scale, amax, *, h=None, g=None, fp8=torch.float8_e4m3fn, trans
     a = ins[0]
     if any(t.dim() != 2 or not t.is_contiguous() or t.shape != a.shape for t in ins):
         raise ValueError("act_fp8: inputs must be contiguous 2-D tensors of one shape")
+    if (delayed is None) == (scale is None or amax is None):
+        raise ValueError("act_fp8: give scale and amax, or delayed")
     if fp8 not in FP8_MAX:
         raise ValueError(f"act_fp8: fp8 must be one of {list(FP8_MAX)}, got {fp8}")
     M, N = a.shape
@@ -124,12 +133,14 @@ def act_fp8(mode, scale, amax, *, h=None, g=None, fp8=torch.float8_e4m3fn, trans
     BM, BN = block
     partial = torch.empty((triton.cdiv(M, BM) if sums else 0, N), device=a.device,
                           dtype=torch.float32)  # fmt: skip
+    d = delayed or (partial, 0, partial)  # unused unless delayed
     act_fp8_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
         a if g is None else g, a if h is None else h, q.view(torch.uint8),
-        qt.view(torch.uint8), scale, amax, partial,
-        M, N, FP8_MAX=FP8_MAX[fp8], E5M2=fp8 == torch.float8_e5m2, MODE=MODES.index(mode),
-        TRANSPOSED=transposed, HOW=how, SUMS=sums, BM=BM, BN=BN,
-        INTERPRETED=a.device.type != "cuda", num_warps=4,
+        qt.view(torch.uint8), d[0] if scale is None else scale, d[0] if amax is None else amax,
+        d[0], d[1], d[2], partial, M, N, FP8_MAX=FP8_MAX[fp8], E5M2=fp8 == torch.float8_e5m2,
+        MODE=MODES.index(mode), TRANSPOSED=transposed, HOW=how, SUMS=sums,
+        DELAYED=delayed is not None, BM=BM, BN=BN, INTERPRETED=a.device.type != "cuda",
+        num_warps=4,
     )  # fmt: skip
     out = q, (qt if transposed else None)
     return (*out, partial.sum(0)) if sums else out

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from gpt2_fused.kernels.act_fp8 import act_fp8, transpose_fp8
 from gpt2_fused.kernels.colsum import qkv_grad
-from gpt2_fused.kernels.fp8_gemm import E4, E5, Fp8State
+from gpt2_fused.kernels.fp8_gemm import E5, Fp8State
 from gpt2_fused.kernels.fp8_gemm import scaled_mm as _mm
 from gpt2_fused.kernels.ln_fp8 import ln_backward, ln_fp8
 
@@ -75,18 +75,19 @@ class AttnFp8(torch.autograd.Function):
     def forward(ctx, x, ln_w, ln_b, w_attn, b_attn, w_proj, b_proj, n_head, state, eps):
         B, T, C = x.shape
         x2, dt = x.reshape(B * T, C), torch.bfloat16
-        s_y, (_, y8, _, mean, rstd) = state.cast("y", E4, lambda scale, amax: ln_fp8(
-            x2, ln_w, ln_b, eps, scale=scale, amax=amax, store_y=False))  # fmt: skip
+        inv_y, (_, y8, _, mean, rstd) = state.cast("y", lambda dl: ln_fp8(
+            x2, ln_w, ln_b, eps, delayed=dl, store_y=False))  # fmt: skip
         inv_attn, w_attn8, w_attn8t = state.cast_weight("w_attn", w_attn)
         inv_proj, w_proj8, w_proj8t = state.cast_weight("w_proj", w_proj)
-        qkv = _mm(y8, w_attn8.t(), 1 / s_y, inv_attn, dt, b_attn.to(dt)).view(B, T, 3 * C)
+        qkv = _mm(y8, w_attn8.t(), inv_y, inv_attn, dt, b_attn.to(dt)).view(B, T, 3 * C)
         o, saved = _attend(qkv, n_head)
         o2 = o.reshape(B * T, C).contiguous()
-        s_o, (o8, o8t) = state.cast("o", E4, lambda scale, amax: act_fp8(
-            "copy", scale, amax, g=o2, transposed=True))  # fmt: skip
-        out = x2 + _mm(o8, w_proj8.t(), 1 / s_o, inv_proj, dt, b_proj.to(dt))  # x's dtype
+        inv_o, (o8, o8t) = state.cast(
+            "o", lambda dl: act_fp8("copy", delayed=dl, g=o2, transposed=True)
+        )
+        out = x2 + _mm(o8, w_proj8.t(), inv_o, inv_proj, dt, b_proj.to(dt))  # x's dtype
         ctx.save_for_backward(x2, mean, rstd, ln_w, y8, qkv, o8t, w_attn8t, w_proj8t, inv_attn,
-                              inv_proj, s_y, s_o)  # fmt: skip
+                              inv_proj, inv_y, inv_o)  # fmt: skip
         ctx.saved_attention, ctx.n_head, ctx.state = saved, n_head, state
         ctx.dtypes = x.dtype, w_attn.dtype, w_proj.dtype
         ctx.has_ln_b = ln_b is not None
@@ -94,23 +95,25 @@ class AttnFp8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        x2, mean, rstd, ln_w, y8, qkv, o8t, w_attn8t, w_proj8t, inv_attn, inv_proj, s_y, s_o = (
+        x2, mean, rstd, ln_w, y8, qkv, o8t, w_attn8t, w_proj8t, inv_attn, inv_proj, inv_y, inv_o = (
             ctx.saved_tensors
         )
         state, dt, (B, T, C3) = ctx.state, torch.bfloat16, qkv.shape
         fast = state.fast_grads
         x_dtype, dw_attn_dtype, dw_proj_dtype = ctx.dtypes
         d = dout.reshape(B * T, C3 // 3).to(dt).contiguous()
-        s_d, (d8, d8t, db_proj) = state.cast("d", E5, lambda scale, amax: act_fp8(
-            "copy", scale, amax, g=d, fp8=E5, transposed=True, sums=True))  # fmt: skip
-        dw_proj = _mm(d8t, o8t.t(), 1 / s_d, 1 / s_o, torch.float32, fast=fast)
-        do = _mm(d8, w_proj8t.t(), 1 / s_d, inv_proj, dt, fast=fast)
+        inv_d, (d8, d8t, db_proj) = state.cast(
+            "d", lambda dl: act_fp8("copy", delayed=dl, g=d, fp8=E5, transposed=True, sums=True)
+        )
+        dw_proj = _mm(d8t, o8t.t(), inv_d, inv_o, torch.float32, fast=fast)
+        do = _mm(d8, w_proj8t.t(), inv_d, inv_proj, dt, fast=fast)
         dq, dk, dv = _attend_backward(do.view(B, T, -1), qkv, ctx.n_head, ctx.saved_attention)
         dqkv, db_attn = qkv_grad(dq, dk, dv)
-        s_q, (q8, q8t) = state.cast("q", E5, lambda scale, amax: act_fp8(
-            "copy", scale, amax, g=dqkv, fp8=E5, transposed=True))  # fmt: skip
-        dw_attn = _mm(q8t, transpose_fp8(y8).t(), 1 / s_q, 1 / s_y, torch.float32, fast=fast)
-        dy = _mm(q8, w_attn8t.t(), 1 / s_q, inv_attn, dt, fast=fast)
+        inv_q, (q8, q8t) = state.cast(
+            "q", lambda dl: act_fp8("copy", delayed=dl, g=dqkv, fp8=E5, transposed=True)
+        )
+        dw_attn = _mm(q8t, transpose_fp8(y8).t(), inv_q, inv_y, torch.float32, fast=fast)
+        dy = _mm(q8, w_attn8t.t(), inv_q, inv_attn, dt, fast=fast)
         dx, dln_w, dln_b = ln_backward(dy, x2, mean, rstd, ln_w, residual=d, out_dtype=x_dtype)
         dx = dx.view(B, T, C3 // 3)
         return (dx, dln_w, dln_b if ctx.has_ln_b else None, dw_attn.to(dw_attn_dtype),

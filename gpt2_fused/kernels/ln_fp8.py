@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpt2_fused.kernels.fp8_scale import scale_and_amax
 from gpt2_fused.kernels.interpreter import to_dtype
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -45,6 +46,9 @@ def ln_fp8_kernel(
     y8_ptr,  # (M, D) out, float8_e4m3fn
     scale_ptr,  # tensorwise: (1,) fp32 in, the scale; rowwise: (M,) fp32 out, 1 / each row's scale
     amax_ptr,  # tensorwise: (1,) fp32 in/out, max |y| so far (atomic max); rowwise: unused
+    slots_ptr,  # DELAYED: (3,) fp32, the amax slots (fp8_scale.py); else unused
+    k3,  # DELAYED: the call's index mod 3
+    inv_ptr,  # DELAYED: (1,) fp32 out, 1 / scale
     mean_ptr,  # (M,) fp32 out
     rstd_ptr,  # (M,) fp32 out
     M,
@@ -56,6 +60,7 @@ def ln_fp8_kernel(
     HAS_BIAS: tl.constexpr,
     STORE_Y: tl.constexpr,
     ROWWISE: tl.constexpr,
+    DELAYED: tl.constexpr,  # tensorwise, the scale from the slots
     INTERPRETED: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_D)
@@ -64,7 +69,8 @@ def ln_fp8_kernel(
     if HAS_BIAS:
         b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if not ROWWISE:
-        scale = tl.load(scale_ptr)
+        scale, amax_ptr = scale_and_amax(scale_ptr, amax_ptr, slots_ptr, k3, inv_ptr,
+                                         tl.program_id(0) == 0, 448.0, DELAYED)  # fmt: skip
     seen = 0.0  # this program's max |y|
     for i in range(ROWS):
         row = tl.program_id(0) * ROWS + i
@@ -96,31 +102,41 @@ def ln_fp8_kernel(
         tl.atomic_max(amax_ptr, seen)  # amax >= 0: fp32 max by its bits is order-free
 
 
-def ln_fp8(x, weight, bias, eps, *, scale=None, amax=None, store_y=True, rows=4):
+def ln_fp8(x, weight, bias, eps, *, scale=None, amax=None, delayed=None, store_y=True, rows=4):
     """LayerNorm of x (..., D) with the FP8 copy of its output: (y or None, y8, scale_out, mean,
     rstd). Tensorwise (scale given, a (1,) fp32 tensor): y8 = e4m3(y * scale), and amax ((1,)
-    fp32, updated in place as max(amax, max |y|)) must be given too; scale_out is scale. Rowwise
-    (scale None): one scale a row, scale_out (M,) fp32 holds 1 / each row's scale (what
-    torch._scaled_mm's scale_a takes). y (x's dtype and shape) only when store_y."""
+    fp32, updated in place as max(amax, max |y|)) must be given too; scale_out is scale.
+    Delayed (a fp8_scale.Delayed): tensorwise with the scale from its slots, which take this
+    call's amax; scale_out is its inv, 1 / scale. Rowwise (none of these): one scale a row,
+    scale_out (M,) fp32 holds 1 / each row's scale (what torch._scaled_mm's scale_a takes). y
+    (x's dtype and shape) only when store_y."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, dev = x2.shape[0], x.device
-    rowwise = scale is None
-    if not rowwise and (amax is None or scale.numel() != 1 or amax.numel() != 1):
+    rowwise = scale is None and delayed is None
+    if delayed is not None and scale is not None:
+        raise ValueError("ln_fp8: a scale or a delayed one, not both")
+    if scale is not None and (amax is None or scale.numel() != 1 or amax.numel() != 1):
         raise ValueError("ln_fp8: a tensorwise scale needs amax, both (1,) fp32 tensors")
     y = torch.empty((M, D), device=dev, dtype=x.dtype) if store_y else x2.new_empty(0)
     y8 = torch.empty((M, D), device=dev, dtype=torch.float8_e4m3fn)
-    scale_out = torch.empty(M, device=dev, dtype=torch.float32) if rowwise else scale
     mean = torch.empty(M, device=dev, dtype=torch.float32)
     rstd = torch.empty(M, device=dev, dtype=torch.float32)
+    if rowwise:
+        scale_out = torch.empty(M, device=dev, dtype=torch.float32)
+        scale_arg, amax = scale_out, mean  # amax: unused
+    else:
+        scale_out = scale if delayed is None else delayed.inv
+        scale_arg = mean if delayed is not None else scale  # mean: unused
+    d = delayed or (mean, 0, mean)  # unused unless delayed
     ln_fp8_kernel[(triton.cdiv(M, rows),)](
-        x2, weight, weight if bias is None else bias, y, y8, scale_out,
-        scale_out if rowwise else amax, mean, rstd, M, D, x2.stride(0), eps,
+        x2, weight, weight if bias is None else bias, y, y8, scale_arg,
+        mean if amax is None else amax, d[0], d[1], d[2], mean, rstd, M, D, x2.stride(0), eps,
         BLOCK_D=triton.next_power_of_2(D), ROWS=rows, HAS_BIAS=bias is not None,
-        STORE_Y=store_y, ROWWISE=rowwise, INTERPRETED=dev.type != "cuda",
-        num_warps=4 if D <= 1024 else 8,
+        STORE_Y=store_y, ROWWISE=rowwise, DELAYED=delayed is not None,
+        INTERPRETED=dev.type != "cuda", num_warps=4 if D <= 1024 else 8,
     )  # fmt: skip
     shape = x.shape
     return (y.view(shape) if store_y else None), y8.view(shape), scale_out, mean, rstd

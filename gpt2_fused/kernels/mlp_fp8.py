@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from gpt2_fused.kernels.act_fp8 import act_fp8, transpose_fp8
-from gpt2_fused.kernels.fp8_gemm import E4, E5, Fp8State
+from gpt2_fused.kernels.fp8_gemm import E5, Fp8State
 from gpt2_fused.kernels.fp8_gemm import scaled_mm as _mm
 from gpt2_fused.kernels.ln_fp8 import ln_backward, ln_fp8
 
@@ -34,37 +34,41 @@ class MlpFp8(torch.autograd.Function):
     def forward(ctx, x, ln_w, ln_b, w_fc, b_fc, w_proj, b_proj, state, eps):
         shape, D = x.shape, x.shape[-1]
         x2 = x.reshape(-1, D)
-        s_y, (_, y8, _, mean, rstd) = state.cast("y", E4, lambda scale, amax: ln_fp8(
-            x2, ln_w, ln_b, eps, scale=scale, amax=amax, store_y=False))  # fmt: skip
+        inv_y, (_, y8, _, mean, rstd) = state.cast("y", lambda dl: ln_fp8(
+            x2, ln_w, ln_b, eps, delayed=dl, store_y=False))  # fmt: skip
         inv_fc, w_fc8, w_fc8t = state.cast_weight("w_fc", w_fc)
         inv_proj, w_proj8, w_proj8t = state.cast_weight("w_proj", w_proj)
         dt = torch.bfloat16
-        h = _mm(y8, w_fc8.t(), 1 / s_y, inv_fc, dt, b_fc.to(dt))
-        s_a, (a8, a8t) = state.cast("a", E4, lambda scale, amax: act_fp8(
-            "gelu", scale, amax, h=h, transposed=True))  # fmt: skip
-        out = x2 + _mm(a8, w_proj8.t(), 1 / s_a, inv_proj, dt, b_proj.to(dt))  # x's dtype
+        h = _mm(y8, w_fc8.t(), inv_y, inv_fc, dt, b_fc.to(dt))
+        inv_a, (a8, a8t) = state.cast(
+            "a", lambda dl: act_fp8("gelu", delayed=dl, h=h, transposed=True)
+        )
+        out = x2 + _mm(a8, w_proj8.t(), inv_a, inv_proj, dt, b_proj.to(dt))  # x's dtype
         ctx.save_for_backward(x2, mean, rstd, ln_w, y8, h, a8t, w_fc8t, w_proj8t, inv_fc,
-                              inv_proj, s_y, s_a)  # fmt: skip
+                              inv_proj, inv_y, inv_a)  # fmt: skip
         ctx.state, ctx.shape, ctx.dtypes = state, shape, (x.dtype, w_fc.dtype, w_proj.dtype)
         ctx.has_ln_b = ln_b is not None
         return out.view(shape)
 
     @staticmethod
     def backward(ctx, dout):
-        x2, mean, rstd, ln_w, y8, h, a8t, w_fc8t, w_proj8t, inv_fc, inv_proj, s_y, s_a = (
+        x2, mean, rstd, ln_w, y8, h, a8t, w_fc8t, w_proj8t, inv_fc, inv_proj, inv_y, inv_a = (
             ctx.saved_tensors
         )
         state, dt, fast = ctx.state, torch.bfloat16, ctx.state.fast_grads
         x_dtype, dw_fc_dtype, dw_proj_dtype = ctx.dtypes
         d = dout.reshape(-1, x2.shape[1]).to(dt).contiguous()
-        s_d, (d8, d8t, db_proj) = state.cast("d", E5, lambda scale, amax: act_fp8(
-            "copy", scale, amax, g=d, fp8=E5, transposed=True, sums=True))  # fmt: skip
-        dw_proj = _mm(d8t, a8t.t(), 1 / s_d, 1 / s_a, torch.float32, fast=fast)
-        da = _mm(d8, w_proj8t.t(), 1 / s_d, inv_proj, dt, fast=fast)
-        s_h, (dh8, dh8t, db_fc) = state.cast("h", E5, lambda scale, amax: act_fp8(
-            "dgelu", scale, amax, h=h, g=da, fp8=E5, transposed=True, sums=True))  # fmt: skip
-        dw_fc = _mm(dh8t, transpose_fp8(y8).t(), 1 / s_h, 1 / s_y, torch.float32, fast=fast)
-        dy = _mm(dh8, w_fc8t.t(), 1 / s_h, inv_fc, dt, fast=fast)
+        inv_d, (d8, d8t, db_proj) = state.cast(
+            "d", lambda dl: act_fp8("copy", delayed=dl, g=d, fp8=E5, transposed=True, sums=True)
+        )
+        dw_proj = _mm(d8t, a8t.t(), inv_d, inv_a, torch.float32, fast=fast)
+        da = _mm(d8, w_proj8t.t(), inv_d, inv_proj, dt, fast=fast)
+        inv_h, (dh8, dh8t, db_fc) = state.cast(
+            "h",
+            lambda dl: act_fp8("dgelu", delayed=dl, h=h, g=da, fp8=E5, transposed=True, sums=True),
+        )
+        dw_fc = _mm(dh8t, transpose_fp8(y8).t(), inv_h, inv_y, torch.float32, fast=fast)
+        dy = _mm(dh8, w_fc8t.t(), inv_h, inv_fc, dt, fast=fast)
         dx, dln_w, dln_b = ln_backward(dy, x2, mean, rstd, ln_w, residual=d, out_dtype=x_dtype)
         return (dx.view(ctx.shape), dln_w, dln_b if ctx.has_ln_b else None,
                 dw_fc.to(dw_fc_dtype), db_fc.to(dw_fc_dtype), dw_proj.to(dw_proj_dtype),
