@@ -17,18 +17,22 @@ export PYTHONUNBUFFERED=1
 # Triton 3.6's bundled ptxas (12.8) miscompiles act_fp8's transposed GELU-gradient copy
 # (triton-lang/triton#11111, bench/RESULTS.md#fp8-fused-casts); the machine's CUDA 13 one does not
 for p in /usr/local/cuda-13*/bin/ptxas /usr/local/cuda/bin/ptxas; do
-    if [ -x "$p" ] && "$p" --version | grep -q "release 13"; then export TRITON_PTXAS_PATH=$p; break; fi
+    if [ -x "$p" ] && "$p" --version | grep -q "release 13"; then
+        export TRITON_PTXAS_PATH=$p
+        break
+    fi
 done
 echo "TRITON_PTXAS_PATH=${TRITON_PTXAS_PATH:-bundled}"
-$py -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_ln_fp8.py tests/test_act_fp8.py \
-    tests/test_mlp_fp8.py tests/test_attn_fp8.py >"$out/pytest.txt" 2>&1
+$py -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_fp8_scale.py tests/test_ln_fp8.py \
+    tests/test_act_fp8.py tests/test_mlp_fp8.py tests/test_attn_fp8.py >"$out/pytest.txt" 2>&1
 $py -m pytest -q -m gpu -p no:cacheprovider -rf --tb=line tests/test_fp8.py -k "fused or check" \
     >>"$out/pytest.txt" 2>&1
 grep -E "^/|^E |^FAILED|passed|failed" "$out/pytest.txt" | cut -c1-300 | head -30
 $py -m bench.bench_fp8_casts --out "$out" 2>&1 | tail -24 | tee "$out/casts.txt"
 $py -m bench.bench_fp8_mlp --out "$out" 2>&1 | tail -34 | tee "$out/mlp.txt"
 if $py -c "import json, sys; r = json.load(open('$out/bench_fp8_mlp.json'))['results']
-sys.exit(0 if min(r[k]['gpu_ms'] for k in r if k.startswith('fused')) < r['bf16']['gpu_ms'] else 1)"; then
+fused = min(r[k]['gpu_ms'] for k in r if k.startswith('fused'))
+sys.exit(0 if fused < r['bf16']['gpu_ms'] else 1)"; then
     $py -m bench.throughput --runs 1558M:16:12:4 --impls fp8_fused,default,plain --time-budget 300 \
         --out "$out/throughput" 2>&1 | grep -E '^\||WARNING' | tee "$out/throughput.txt"
 else
