@@ -8,16 +8,17 @@ laid out transposed too, for a weight-gradient GEMM): issue 56's casts made wher
     qt = q^T, contiguous (when asked)             torch._scaled_mm reads both operands K-major:
                                                   dW = dy^T x sums over tokens, so it needs
                                                   dy^T and x^T laid out along the token axis
-    amax = max(amax, max |out|)                    for the next step's scale (delayed scaling)
+    amax = max(amax, max |out|)                   for the next call's scale (delayed scaling)
     sums = sum over rows of out (when asked)       a bias gradient, from the unrounded values
 
 A separate cast after an unfused producer reads the bf16 tensor for its amax, again for the
 cast, and again for a transpose; here `h` (and `g`) are read once and only the FP8 bytes are
 written (bench/RESULTS.md#fp8-variants: torchao's casts cost ~1.9 ms a 1558M block). The scale
-is given (the previous step's, from amax): that is what makes it one pass.
+is known before the first element: the previous call's, computed in the kernel from the amax
+slots (fp8_scale.py), or given. That is what makes it one pass.
 Tiles of BM x BN: each program reads one tile of its inputs and writes it row-major to q and,
-transposed in registers, to qt, so both stores are coalesced. act_fp8_reference is the same in
-torch.
+transposed in registers, to qt, so both stores are coalesced (store_transposed: the ptxas that
+Triton 3.6 bundles gets the GELU gradient's wrong). act_fp8_reference is the same in torch.
 """
 
 import torch
