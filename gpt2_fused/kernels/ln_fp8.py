@@ -2,7 +2,9 @@
 cast made where the data already is (issue 56), instead of a separate amax pass and cast pass.
 
     y   = (x - mean) * rstd * weight + bias          x (M, D) one row a program, stats in fp32
-    y8  = saturate_e4m3(y * scale)                    scale (tensorwise): given, one fp32 scalar
+    y8  = saturate_e4m3(y * scale)                    scale (tensorwise): one fp32 scalar, given
+                                                      or delayed (fp8_scale.py: from the amax
+                                                      of the previous call, in the kernel)
     amax = max |y|                                    over the whole tensor, for the next scale
 or, rowwise:
     s_m = E4M3_MAX / max_d |y[m, d]|                  per row, known inside the program
@@ -11,7 +13,7 @@ or, rowwise:
 Why given (delayed) tensorwise scales: the scale of a whole tensor from its own amax needs the
 amax before the first element can be cast, i.e. a second pass over y (torchao's dynamic
 scaling; bench/RESULTS.md#fp8-variants: its amax and cast kernels cost ~1.9 ms a 1558M block).
-Taking the scale from the previous step's amax makes it one pass: y is read once from registers
+Taking the scale from the previous call's amax makes it one pass: y is read once from registers
 for y8 and amax. Rowwise needs no history: a row's amax is known in the program that casts it.
 Which one keeps quality within issue 56's 0.02 nats is for bench/quality_pair.sh to say.
 
