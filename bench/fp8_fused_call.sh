@@ -7,6 +7,7 @@
 #      the fused step's kernels and the GEMM floor
 #   4. only if the fused MLP's GPU time beat bf16's there: train.py at 1558M:16, --fp8=fused
 #      against the bf16 default and plain (bench.throughput)
+#   PROFILE=1: instead of 1-4, the 1558M:16 --fp8=fused step's top kernels (~2 minutes)
 #   bash bench/fp8_fused_call.sh [OUT_DIR]      (torchao's wheel carried for the torchao rows)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,11 @@ for p in /usr/local/cuda-13*/bin/ptxas /usr/local/cuda/bin/ptxas; do
     fi
 done
 echo "TRITON_PTXAS_PATH=${TRITON_PTXAS_PATH:-bundled}"
+if [ "${PROFILE:-0}" = 1 ]; then
+    $py -m bench.throughput --runs "" --impls default --profile 1558M:16 \
+        --train-args="--fp8='fused'" --out "$out/profile" 2>&1 | tail -32 | tee "$out/profile.txt"
+    exit 0
+fi
 $py -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_fp8_scale.py tests/test_ln_fp8.py \
     tests/test_act_fp8.py tests/test_mlp_fp8.py tests/test_attn_fp8.py >"$out/pytest.txt" 2>&1
 $py -m pytest -q -m gpu -p no:cacheprovider -rf --tb=line tests/test_fp8.py -k "fused or check" \
