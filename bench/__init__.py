@@ -20,7 +20,7 @@ several share from bench.common, never from one another. Their results go to ben
     bench_adamw         the optimizer step against its memory floor
     bench_fp8           FP8 variants of the training fwd+bwd against bf16
     bench_fp8_casts     FP8 casts made in LayerNorm / GELU / its gradient against separate ones
-    bench_fp8_mlp       the MLP half block fwd+bwd: bf16, torchao's FP8, FP8 with fused casts
+    bench_fp8_mlp       a half block (MLP or attention) fwd+bwd: bf16, torchao FP8, fused casts
     bench_sample        generation speed of the decode modes
     bench_data          data preparation and loader throughput
     shard_memory        per-rank memory of --shard's modes at W ranks

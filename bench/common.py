@@ -170,13 +170,15 @@ def write_json(folder, name, obj):
         json.dump(obj, f, indent=1)
 
 
-def xl_shape_args(doc):
+def xl_shape_args(doc, halves=False):
     """--tokens, --width (1558M:16's 16 x 1024 tokens, n_embd 1600) and --out of a benchmark
-    whose module docstring is doc."""
+    whose module docstring is doc; with halves, --half (a block's "mlp" or "attn" half)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--width", type=int, default=1600)
     ap.add_argument("--out", default=None)
+    if halves:
+        ap.add_argument("--half", choices=("mlp", "attn"), default="mlp")
     return ap.parse_args()
 
 

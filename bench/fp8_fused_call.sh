@@ -4,7 +4,7 @@
 #      recipe's GPU tests (tracebacks kept in pytest.txt)
 #   2. each fused cast against Inductor's producer + a separate dynamic cast (bench_fp8_casts)
 #   3. the MLP half block, fwd+bwd: bf16 op, torchao tensorwise, mlp_fp8 (bench_fp8_mlp), with
-#      the fused step's kernels and the GEMM floor
+#      the fused step's kernels and the GEMM floor; the attention half's table the same way
 #   4. only if the fused MLP's GPU time beat bf16's there: train.py at 1558M:16, --fp8=fused
 #      against the bf16 default and plain (bench.throughput)
 #   PROFILE=1: instead of 1-4, the 1558M:16 --fp8=fused step's top kernels (~2 minutes)
@@ -36,6 +36,7 @@ $py -m pytest -q -m gpu -p no:cacheprovider -rf --tb=line tests/test_fp8.py -k "
 grep -E "^/|^E |^FAILED|passed|failed" "$out/pytest.txt" | cut -c1-300 | head -30
 $py -m bench.bench_fp8_casts --out "$out" 2>&1 | tail -24 | tee "$out/casts.txt"
 $py -m bench.bench_fp8_mlp --out "$out" 2>&1 | tail -34 | tee "$out/mlp.txt"
+$py -m bench.bench_fp8_mlp --half attn --out "$out" 2>&1 | tail -12 | tee "$out/attn.txt"
 if $py -c "import json, sys; r = json.load(open('$out/bench_fp8_mlp.json'))['results']
 fused = min(r[k]['gpu_ms'] for k in r if k.startswith('fused'))
 sys.exit(0 if fused < r['bf16']['gpu_ms'] else 1)"; then
