@@ -247,16 +247,18 @@ def _tiny_fused_step(device):
 
 
 def _transposes_right(device):
-    """Whether act_fp8's transposed copy of a GELU gradient is its row-major copy transposed,
-    byte for byte, at 512 x 1024 (64 x 64 tiles) on `device`: Triton 3.6's bundled ptxas gets a
-    quarter of the bytes wrong there (bench/RESULTS.md#fp8-fused-casts)."""
-    from gpt2_fused.kernels.act_fp8 import act_fp8
+    """Whether act_fp8's transposed copy of a GELU gradient, and transpose_fp8's of it, are its
+    row-major copy transposed, byte for byte, at 512 x 1024 (64 x 64 tiles) on `device`: Triton
+    3.6's bundled ptxas gets a quarter of the first one's bytes wrong there
+    (bench/RESULTS.md#fp8-fused-casts)."""
+    from gpt2_fused.kernels.act_fp8 import act_fp8, transpose_fp8
 
     g = torch.Generator(device=device).manual_seed(0)
     h, dy = (torch.randn(512, 1024, device=device, generator=g).bfloat16() for _ in range(2))
     q, qt = act_fp8("dgelu", torch.ones(1, device=device), torch.zeros(1, device=device), h=h,
                     g=dy, fp8=torch.float8_e5m2, transposed=True)  # fmt: skip
-    return torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t())
+    want = q.view(torch.uint8).t()
+    return all(torch.equal(t.view(torch.uint8), want) for t in (qt, transpose_fp8(q)))
 
 
 def _plain(t):
