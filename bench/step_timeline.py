@@ -21,7 +21,7 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from bench.common import for_benchmarks
+from bench.common import for_benchmarks, write_json
 from bench.throughput import random_dataset, train_args
 from data.prepare import CACHE_DIR
 
@@ -109,8 +109,7 @@ def main():
         events = json.load(f)["traceEvents"]
     res = summarise(events, active)
     res |= {"run": args.run, "train_args": args.train_args, "device": torch.cuda.get_device_name(0)}
-    with open(os.path.join(args.out, f"timeline_{tag}.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(args.out, f"timeline_{tag}.json", res)
     print(json.dumps(res, indent=1))
 
 
