@@ -3,7 +3,10 @@
 # on the local Wikipedia text, the same seed and data order, STEPS steps each; the val-loss curves
 # side by side, then the final gap. Prints one table last.
 #   W=dir-with-train_0*.txt.xz-and-valid.txt.xz  STEPS=2000  CHANGE="--fp8='tensorwise'" \
-#     bash bench/quality_pair.sh OUT_DIR
+#     SEEDS="1337 42"  PARALLEL=1  bash bench/quality_pair.sh OUT_DIR
+# SEEDS: a pair of runs for each (--seed: the init and the data order); PARALLEL=1 starts every
+# run at once on the one GPU (124M at B 16 leaves it mostly idle; the step times are then
+# meaningless, the losses are not).
 # EXTRA: train.py arguments for both runs (a CPU rehearsal: EXTRA="--n_layer=1 --n_embd=64
 # --n_head=2 --block_size=64 --device=cpu" STEPS=4 with a small W).
 # W: the wikipedia_en folder (two train files, ~35M tokens, stay under the device's 64 MiB carry).
@@ -35,26 +38,38 @@ run() {  # name, extra train.py arguments...
     cp "out/quality/$name/log.jsonl" "$out/$name.jsonl"
 }
 rm -rf out/quality
-run base
-# shellcheck disable=SC2086
-run change $CHANGE
+SEEDS=${SEEDS:-1337}
+for seed in $SEEDS; do
+    for side in base change; do
+        args="--seed=$seed"
+        [ "$side" = change ] && args="$args $CHANGE"
+        # shellcheck disable=SC2086
+        if [ "${PARALLEL:-0}" = 1 ]; then run "${side}_s$seed" $args & else run "${side}_s$seed" $args; fi
+    done
+done
+wait
 
-$py - "$out" "$CHANGE" <<'PY'
+$py - "$out" "$CHANGE" $SEEDS <<'PY'
 import json, sys
-out, change = sys.argv[1], sys.argv[2]
+out, change, seeds = sys.argv[1], sys.argv[2], sys.argv[3:]
 def curve(name):
     recs = [json.loads(line) for line in open(f"{out}/{name}.jsonl")]
     val = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
     train = [r for r in recs if "tok_per_s" in r]
     speed = sorted(r["tok_per_s"] for r in train[len(train) // 10:])
     return val, speed[len(speed) // 2] if speed else float("nan")
-(bv, bs), (cv, cs) = curve("base"), curve("change")
-print(f"\n| step | val loss, default | val loss, {change} | gap |")
-print("|---|---|---|---|")
-for step in sorted(set(bv) & set(cv)):
-    print(f"| {step} | {bv[step]:.4f} | {cv[step]:.4f} | {cv[step] - bv[step]:+.4f} |")
-# at B 16 the host's launches pace the 124M default path (RESULTS.md#cuda-graphs)
-print(f"median tok/s after 10 %: default {bs:,.0f}, change {cs:,.0f} ({cs / bs:.3f}x; "
-      "not a speed comparison: bench/throughput.py is)")
+worst = 0.0
+for seed in seeds:
+    (bv, bs), (cv, cs) = curve(f"base_s{seed}"), curve(f"change_s{seed}")
+    print(f"\nseed {seed}\n| step | val loss, default | val loss, {change} | gap |")
+    print("|---|---|---|---|")
+    for step in sorted(set(bv) & set(cv)):
+        gap = cv[step] - bv[step]
+        worst = max(worst, abs(gap))
+        print(f"| {step} | {bv[step]:.4f} | {cv[step]:.4f} | {gap:+.4f} |")
+    # at B 16 the host's launches pace the 124M default path (RESULTS.md#cuda-graphs)
+    print(f"median tok/s after 10 %: default {bs:,.0f}, change {cs:,.0f} ({cs / bs:.3f}x; "
+          "not a speed comparison: bench/throughput.py is)")
+print(f"\nlargest |gap| at any evaluation, seeds {' '.join(seeds)}: {worst:.4f}")
 PY
 echo "total $(($(date +%s) - t0)) s"

@@ -5,7 +5,13 @@ transposed copy and the amax."""
 import pytest
 import torch
 
-from gpt2_fused.kernels.act_fp8 import FP8_MAX, act_fp8, act_fp8_reference, transpose_fp8
+from gpt2_fused.kernels.act_fp8 import (
+    FP8_MAX,
+    act_fp8,
+    act_fp8_reference,
+    kernel_transposes_right,
+    transpose_fp8,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -33,13 +39,15 @@ def assert_fp8_close(got, exact, fp8):
     ("copy", torch.float8_e5m2, 2.0**13),
 ])  # fmt: skip
 @pytest.mark.parametrize("M, N", [(50, 70), (64, 128)])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_matches_torch(mode, fp8, scale, M, N, transposed):
+@pytest.mark.parametrize("transposed, split", [(False, None), (True, None), (True, True)])
+def test_matches_torch(mode, fp8, scale, M, N, transposed, split):
+    """split None: qt made where this device gets it right; True: by transpose_fp8 after."""
     h, grad = pair(M, N)
     ins = dict(gelu=dict(h=h), dgelu=dict(h=h, g=grad), copy=dict(g=grad))[mode]
     s = torch.tensor([scale], device=DEV)
     amax = torch.zeros(1, device=DEV)
-    q, qt = act_fp8(mode, s, amax, fp8=fp8, transposed=transposed, block=(32, 32), **ins)
+    q, qt = act_fp8(mode, s, amax, fp8=fp8, transposed=transposed, block=(32, 32), split=split,
+                    **ins)  # fmt: skip
     out, rq, ramax = act_fp8_reference(mode, s, fp8=fp8, **ins)
     assert q.dtype == fp8 and q.shape == (M, N)
     assert_fp8_close(q, (out * scale).clamp(-FP8_MAX[fp8], FP8_MAX[fp8]), fp8)
@@ -49,6 +57,23 @@ def test_matches_torch(mode, fp8, scale, M, N, transposed):
         assert torch.equal(qt.float(), q.float().t())
     else:
         assert qt is None
+
+
+@pytest.mark.parametrize("mode, fp8", [
+    ("gelu", torch.float8_e4m3fn), ("dgelu", torch.float8_e5m2), ("copy", torch.float8_e5m2),
+])  # fmt: skip
+def test_kernel_transposes_right_tells_whether_the_kernels_copy_is_right(mode, fp8):
+    """What kernel_transposes_right says of this device (always right under the interpreter;
+    on an H200 the GELU gradient's is wrong under Triton 3.6's bundled ptxas) is what the
+    kernel's own copy (split=False) does at another shape and seed."""
+    h, grad = pair(256, 384, seed=5)
+    ins = dict(gelu=dict(h=h), dgelu=dict(h=h, g=grad), copy=dict(g=grad))[mode]
+    s, amax = torch.tensor([2.0**13], device=DEV), torch.zeros(1, device=DEV)
+    q, qt = act_fp8(mode, s, amax, fp8=fp8, transposed=True, split=False, **ins)
+    right = torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t())
+    assert right == kernel_transposes_right(mode, fp8, h.device)
+    if DEV == "cpu":
+        assert right
 
 
 def test_saturates_instead_of_overflowing():

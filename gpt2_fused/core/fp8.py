@@ -66,7 +66,7 @@ def check(recipe, device):
                              f"{torch.__version__} ({first}): pass --fp8=off") from e  # fmt: skip
         if not _transposes_right(device):
             raise ValueError(
-                f"fp8='fused': on {name} Triton's ptxas miscompiles the kernel that writes the "
+                f"fp8='fused': on {name} Triton's ptxas miscompiles the kernels that write the "
                 "transposed FP8 copies (triton-lang/triton#11111, ptxas 12.x): set "
                 "TRITON_PTXAS_PATH to a CUDA 13 ptxas (e.g. /usr/local/cuda/bin/ptxas) or pass "
                 "--fp8=tensorwise"
@@ -246,13 +246,28 @@ def _tiny_fused_step(device):
     torch.cuda.synchronize(device)
 
 
+# act_fp8's (mode, FP8 type) pairs that the fused recipe asks for transposed copies
+FUSED_TRANSPOSES = (("gelu", "e4m3"), ("dgelu", "e5m2"), ("copy", "e5m2"), ("copy", "e4m3"))
+
+
+def split_transposes(device):
+    """The act_fp8 modes whose transposed copy this GPU's compiled kernel gets wrong, so that
+    transpose_fp8 makes it after the kernel (act_fp8's split): ["dgelu"] under the ptxas that
+    Triton 3.6-3.8 bundle, none under CUDA 13's (bench/RESULTS.md#fp8-fused-casts)."""
+    from gpt2_fused.kernels.act_fp8 import kernel_transposes_right
+
+    types = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    wrong = [m for m, t in FUSED_TRANSPOSES if not kernel_transposes_right(m, types[t], device)]
+    return sorted(set(wrong))
+
+
 def _transposes_right(device):
-    """Whether act_fp8's transposed copy of a GELU gradient, and transpose_fp8's of it, are its
-    row-major copy transposed, byte for byte, at 512 x 1024 (64 x 64 tiles) on `device`: Triton
-    3.6's bundled ptxas gets a quarter of the first one's bytes wrong there
-    (bench/RESULTS.md#fp8-fused-casts)."""
+    """Whether every transposed FP8 copy the fused recipe makes is its row-major copy transposed,
+    byte for byte, at 512 x 1024 on `device`: act_fp8's (in the kernel, or split where
+    split_transposes says so) and transpose_fp8's, which the split ones rely on."""
     from gpt2_fused.kernels.act_fp8 import act_fp8, transpose_fp8
 
+    split_transposes(device)  # act_fp8 below takes the way that is right here
     g = torch.Generator(device=device).manual_seed(0)
     h, dy = (torch.randn(512, 1024, device=device, generator=g).bfloat16() for _ in range(2))
     q, qt = act_fp8("dgelu", torch.ones(1, device=device), torch.zeros(1, device=device), h=h,

@@ -17,9 +17,13 @@ written (bench/RESULTS.md#fp8-variants: torchao's casts cost ~1.9 ms a 1558M blo
 is known before the first element: the previous call's, computed in the kernel from the amax
 slots (fp8_scale.py), or given. That is what makes it one pass.
 Tiles of BM x BN: each program reads one tile of its inputs and writes it row-major to q and,
-transposed in registers, to qt, so both stores are coalesced (store_transposed: the ptxas that
-Triton 3.6 bundles gets the GELU gradient's wrong). act_fp8_reference is the same in torch.
+transposed in registers, to qt, so both stores are coalesced. The ptxas that Triton 3.6-3.8
+bundle gets the GELU gradient's transposed tile wrong (store_transposed); where one call says
+so (kernel_transposes_right), transpose_fp8 makes qt from q after the kernel instead, one more
+read and write of the FP8 bytes. act_fp8_reference is the same in torch.
 """
+
+import functools
 
 import torch
 import triton
@@ -38,7 +42,7 @@ def store_transposed(qt_ptr, bits, rows, cols, M, N, HOW: tl.constexpr):
     conversion left to the compiler. Either way the compiler moves 8-bit values through shared
     memory, which ptxas 12.x (bundled with Triton 3.6-3.8) miscompiles in some kernels, the
     GELU gradient's among them (triton-lang/triton#11111; bench/RESULTS.md#fp8-fused-casts):
-    gpt2_fused/core/fp8.py checks it before a run."""
+    act_fp8 then splits the copy off (kernel_transposes_right)."""
     if HOW == 0:
         offs = cols.to(tl.int64)[:, None] * M + rows[None, :]
         mask = (cols < N)[:, None] & (rows < M)[None, :]
@@ -108,13 +112,16 @@ def act_fp8_kernel(
 
 
 def act_fp8(mode, scale=None, amax=None, *, h=None, g=None, fp8=torch.float8_e4m3fn,
-            transposed=False, sums=False, delayed=None, block=(64, 64), how=0):  # fmt: skip
+            transposed=False, sums=False, delayed=None, block=(64, 64), how=0,
+            split=None):  # fmt: skip
     """(q, qt or None[, column sums]): `mode`'s output (module docstring) of h and/or g ((M, N),
     contiguous, one dtype) times scale ((1,) fp32), saturated and cast to `fp8`; qt = q^T
     contiguous when `transposed`; with `sums`, the output's column sums (N,) in fp32 before
     scaling and rounding (a bias gradient). amax ((1,) fp32) becomes max(amax, max |output|),
     in place. Or, in place of scale and amax, delayed (a fp8_scale.Delayed): the scale from its
-    slots, which take this call's amax. how: store_transposed's."""
+    slots, which take this call's amax. how: store_transposed's. split: qt by transpose_fp8
+    after the kernel (True) or in it (False); None: in it where this GPU's compiled kernel
+    gets it right (kernel_transposes_right), else after."""
     if mode not in MODES:
         raise ValueError(f"act_fp8: mode must be one of {MODES}, got {mode!r}")
     ins = [t for t in (h, g) if t is not None]
@@ -128,9 +135,12 @@ def act_fp8(mode, scale=None, amax=None, *, h=None, g=None, fp8=torch.float8_e4m
         raise ValueError("act_fp8: give scale and amax, or delayed")
     if fp8 not in FP8_MAX:
         raise ValueError(f"act_fp8: fp8 must be one of {list(FP8_MAX)}, got {fp8}")
+    if split is None:
+        split = transposed and not kernel_transposes_right(mode, fp8, a.device)
+    in_kernel = transposed and not split
     M, N = a.shape
     q = torch.empty((M, N), device=a.device, dtype=fp8)
-    qt = torch.empty((N, M), device=a.device, dtype=fp8) if transposed else q
+    qt = torch.empty((N, M), device=a.device, dtype=fp8) if in_kernel else q
     BM, BN = block
     partial = torch.empty((triton.cdiv(M, BM) if sums else 0, N), device=a.device,
                           dtype=torch.float32)  # fmt: skip
@@ -139,12 +149,31 @@ def act_fp8(mode, scale=None, amax=None, *, h=None, g=None, fp8=torch.float8_e4m
         a if g is None else g, a if h is None else h, q.view(torch.uint8),
         qt.view(torch.uint8), d[0] if scale is None else scale, d[0] if amax is None else amax,
         d[0], d[1], d[2], partial, M, N, FP8_MAX=FP8_MAX[fp8], E5M2=fp8 == torch.float8_e5m2,
-        MODE=MODES.index(mode), TRANSPOSED=transposed, HOW=how, SUMS=sums,
+        MODE=MODES.index(mode), TRANSPOSED=in_kernel, HOW=how, SUMS=sums,
         DELAYED=delayed is not None, BM=BM, BN=BN, INTERPRETED=a.device.type != "cuda",
         num_warps=4,
     )  # fmt: skip
+    if transposed and split:
+        qt = transpose_fp8(q, block)
     out = q, (qt if transposed else None)
     return (*out, partial.sum(0)) if sums else out
+
+
+@functools.cache
+def kernel_transposes_right(mode, fp8, device):
+    """Whether act_fp8_kernel's transposed copy in `mode` is q^T byte for byte on `device`, by
+    one 512 x 1024 call (64 x 64 tiles): Triton 3.6-3.8's bundled ptxas (12.x) gets a quarter of
+    the GELU gradient's wrong on an H200, and CUDA 13's gets it right
+    (bench/RESULTS.md#fp8-fused-casts). Always True off the GPU (the interpreter)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    g = torch.Generator(device=device).manual_seed(0)
+    h, dy = (torch.randn(512, 1024, device=device, generator=g).bfloat16() for _ in range(2))
+    ins = {"gelu": dict(h=h), "dgelu": dict(h=h, g=dy), "copy": dict(g=dy)}[mode]
+    one, amax = torch.ones(1, device=device), torch.zeros(1, device=device)
+    q, qt = act_fp8(mode, one, amax, fp8=fp8, transposed=True, split=False, **ins)
+    return torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t())
 
 
 @triton.jit
