@@ -343,11 +343,11 @@ def main(argv=None, train_loader=DataLoader):
             n = len(fp8.convert(raw_model, cfg.fp8, shard.fully_sharded))
             how = "our kernels' casts" if cfg.fp8 == "fused" else "torchao"
             notes.append(f"fp8 {cfg.fp8}: {n} block Linears on FP8 GEMMs ({how}), lm_head bf16")
-            if cfg.fp8 == "fused" and (split := fp8.split_transposes(device)):
+            if cfg.fp8 == "fused" and fp8.transposes_split(device):
                 notes.append(  # Triton's bundled ptxas (bench/RESULTS.md#fp8-fused-casts)
-                    f"fp8 fused: {', '.join(split)}'s transposed copy by a pass of its own, as "
-                    "this ptxas miscompiles it in the kernel: a CUDA 13 ptxas in "
-                    "TRITON_PTXAS_PATH skips that pass"
+                    "fp8 fused: the transposed FP8 copies by passes of their own, as this ptxas "
+                    "miscompiles them in the casting kernels: a CUDA 13 ptxas in "
+                    "TRITON_PTXAS_PATH saves those passes"
                 )
         shard.shard_model(raw_model)  # FSDP2 under shard="full", in place
         optimizer = shard.make_optimizer(raw_model, cfg, device)

@@ -186,15 +186,13 @@ def test_check_fused_refuses_a_ptxas_that_miscompiles_the_transposes(monkeypatch
     assert "TRITON_PTXAS_PATH" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_split_transposes_names_the_modes_the_kernel_gets_wrong(monkeypatch):
-    """train.py's note: the modes whose transposed copy act_fp8 makes by a pass of its own."""
+def test_transposes_split_where_the_kernels_copy_is_wrong(monkeypatch):
+    """train.py's note: act_fp8's transposed copies by passes of their own on this GPU."""
     from gpt2_fused.kernels import act_fp8
 
-    wrong = {("dgelu", torch.float8_e5m2)}
-    monkeypatch.setattr(act_fp8, "kernel_transposes_right", lambda m, t, d: (m, t) not in wrong)
-    assert fp8.split_transposes("cuda") == ["dgelu"]
-    wrong.clear()
-    assert fp8.split_transposes("cuda") == []
+    for right in (True, False):
+        monkeypatch.setattr(act_fp8, "kernel_transposes_right", lambda device, r=right: r)
+        assert fp8.transposes_split("cuda") is not right
 
 
 def _saved_and_loaded(state, tmp_path):

@@ -246,28 +246,21 @@ def _tiny_fused_step(device):
     torch.cuda.synchronize(device)
 
 
-# act_fp8's (mode, FP8 type) pairs that the fused recipe asks for transposed copies
-FUSED_TRANSPOSES = (("gelu", "e4m3"), ("dgelu", "e5m2"), ("copy", "e5m2"), ("copy", "e4m3"))
-
-
-def split_transposes(device):
-    """The act_fp8 modes whose transposed copy this GPU's compiled kernel gets wrong, so that
-    transpose_fp8 makes it after the kernel (act_fp8's split): ["dgelu"] under the ptxas that
-    Triton 3.6-3.8 bundle, none under CUDA 13's (bench/RESULTS.md#fp8-fused-casts)."""
+def transposes_split(device):
+    """Whether act_fp8 makes its transposed FP8 copies by transpose_fp8 after the kernel, as
+    this GPU's compiled kernel gets them wrong (Triton's bundled ptxas on an H200), rather than
+    in the kernel (CUDA 13's ptxas): bench/RESULTS.md#fp8-fused-casts."""
     from gpt2_fused.kernels.act_fp8 import kernel_transposes_right
 
-    types = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-    wrong = [m for m, t in FUSED_TRANSPOSES if not kernel_transposes_right(m, types[t], device)]
-    return sorted(set(wrong))
+    return not kernel_transposes_right(device)
 
 
 def _transposes_right(device):
     """Whether every transposed FP8 copy the fused recipe makes is its row-major copy transposed,
-    byte for byte, at 512 x 1024 on `device`: act_fp8's (in the kernel, or split where
-    split_transposes says so) and transpose_fp8's, which the split ones rely on."""
+    byte for byte, at 512 x 1024 on `device`: act_fp8's (in the kernel, or after it where
+    transposes_split says so) and transpose_fp8's, which the split ones are."""
     from gpt2_fused.kernels.act_fp8 import act_fp8, transpose_fp8
 
-    split_transposes(device)  # act_fp8 below takes the way that is right here
     g = torch.Generator(device=device).manual_seed(0)
     h, dy = (torch.randn(512, 1024, device=device, generator=g).bfloat16() for _ in range(2))
     q, qt = act_fp8("dgelu", torch.ones(1, device=device), torch.zeros(1, device=device), h=h,
