@@ -3,6 +3,9 @@ their own, so an FP8 half block costs the host a handful of launches, not one pe
 
 A tensor's scale comes from the largest |value| it had at the previous call (its amax), with
 2^MARGIN of headroom:  scale = FP8_MAX / (2^MARGIN amax_prev);  q = saturate(value * scale).
+Gradients (e5m2) get more headroom than activations and weights (e4m3): their amax can jump
+several-fold from one step to the next early in training, and e5m2's range (about 2^32 from
+its largest value to its smallest subnormal) makes headroom nearly free; e4m3 has 2^18.
 Each call site keeps three amax slots per tensor (Fp8State, fp8_gemm.py) and call k uses them
 in turn, so that no slot is read and written by the same launch:
 
@@ -21,8 +24,9 @@ import triton
 import triton.language as tl
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-MARGIN = 1  # scales leave 2^MARGIN of headroom above the last amax
-HEADROOM = tl.constexpr(2.0**MARGIN)
+MARGIN = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 4}  # 2^MARGIN above the last amax
+HEADROOM_E4M3 = tl.constexpr(2.0 ** MARGIN[torch.float8_e4m3fn])
+HEADROOM_E5M2 = tl.constexpr(2.0 ** MARGIN[torch.float8_e5m2])
 
 
 class Delayed(NamedTuple):
@@ -42,7 +46,10 @@ def scale_and_amax(scale_ptr, amax_ptr, slots_ptr, k3, inv_ptr, FIRST,
     scale_ptr and amax at amax_ptr, as given."""
     if DELAYED:
         prev = tl.load(slots_ptr + k3)
-        scale = FP8_MAX / (tl.maximum(prev, 1e-30) * HEADROOM)
+        if FP8_MAX > 448.0:  # e5m2
+            scale = FP8_MAX / (tl.maximum(prev, 1e-30) * HEADROOM_E5M2)
+        else:
+            scale = FP8_MAX / (tl.maximum(prev, 1e-30) * HEADROOM_E4M3)
         if FIRST:
             tl.store(inv_ptr, 1.0 / scale)
             tl.store(slots_ptr + (k3 + 2) % 3, 0.0)
@@ -53,4 +60,4 @@ def scale_and_amax(scale_ptr, amax_ptr, slots_ptr, k3, inv_ptr, FIRST,
 
 def fp8_scale_reference(amax_prev, fp8):
     """The delayed scale of a tensor whose last amax was amax_prev, in torch."""
-    return FP8_MAX[fp8] / (amax_prev.float().clamp(min=1e-30) * 2.0**MARGIN)
+    return FP8_MAX[fp8] / (amax_prev.float().clamp(min=1e-30) * 2.0 ** MARGIN[fp8])
