@@ -21,6 +21,7 @@ several share from bench.common, never from one another. Their results go to ben
     bench_fp8           FP8 variants of the training fwd+bwd against bf16
     bench_fp8_casts     FP8 casts made in LayerNorm / GELU / its gradient against separate ones
     bench_fp8_mlp       a half block (MLP or attention) fwd+bwd: bf16, torchao FP8, fused casts
+    fp8_stress          delayed FP8 scales under stress: 20 steps at lr 1e-3, per-step gaps to bf16
     bench_sample        generation speed of the decode modes
     bench_data          data preparation and loader throughput
     shard_memory        per-rank memory of --shard's modes at W ranks

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpt2_fused.kernels.fp8_scale import FP8_MAX, scale_and_amax
+from gpt2_fused.kernels import fp8_scale
+from gpt2_fused.kernels.fp8_scale import FP8_MAX, recast_scale, scale_and_amax
 from gpt2_fused.kernels.interpreter import to_dtype
 
 MODES = ("gelu", "dgelu", "copy")
@@ -54,6 +55,38 @@ def store_transposed(qt_ptr, bits, rows, cols, M, N, HOW: tl.constexpr):
 
 
 @triton.jit
+def act_out(g_ptr, h_ptr, offs, mask, MODE: tl.constexpr):
+    """The tile's output in fp32 (module docstring), 0 outside the mask."""
+    if MODE != 2:
+        h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        inner = 0.7978845608028654 * (h + 0.044715 * h * h * h)  # sqrt(2 / pi) (h + c h^3)
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0  # tanh(inner)
+    if MODE == 0:
+        out = 0.5 * h * (1.0 + t)
+    else:
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if MODE == 1:  # d/dh of 0.5 h (1 + tanh(u)), u' = sqrt(2/pi) (1 + 3 c h^2)
+            du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
+            out = g * (0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * du)
+        else:
+            out = g
+    return tl.where(mask, out, 0.0)
+
+
+@triton.jit
+def store_fp8(q_ptr, qt_ptr, out, scale, rows, cols, mask, offs, M, N, FP8_MAX: tl.constexpr,
+              E5M2: tl.constexpr, TRANSPOSED: tl.constexpr, HOW: tl.constexpr,
+              INTERPRETED: tl.constexpr):  # fmt: skip
+    """q = saturate(out * scale) as FP8 bytes, row-major and, when TRANSPOSED, into qt."""
+    clamped = tl.minimum(tl.maximum(out * scale, -FP8_MAX), FP8_MAX)
+    fp8 = tl.float8e5 if E5M2 else tl.float8e4nv
+    bits = to_dtype(clamped, fp8, INTERPRETED).to(tl.uint8, bitcast=True)
+    tl.store(q_ptr + offs, bits, mask=mask)
+    if TRANSPOSED:
+        store_transposed(qt_ptr, bits, rows, cols, M, N, HOW)
+
+
+@triton.jit
 def act_fp8_kernel(
     g_ptr,  # (M, N) in: the gradient (DGELU, COPY); unused for GELU
     h_ptr,  # (M, N) in: the pre-activation (GELU, DGELU); unused for COPY
@@ -74,6 +107,7 @@ def act_fp8_kernel(
     HOW: tl.constexpr,  # store_transposed's
     SUMS: tl.constexpr,
     DELAYED: tl.constexpr,  # the scale from the slots
+    RECAST: tl.constexpr,  # DELAYED's checking launch: the tile again only after an overflow
     BM: tl.constexpr,
     BN: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -82,33 +116,23 @@ def act_fp8_kernel(
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    if MODE != 2:
-        h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        inner = 0.7978845608028654 * (h + 0.044715 * h * h * h)  # sqrt(2 / pi) (h + c h^3)
-        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0  # tanh(inner)
-    if MODE == 0:
-        out = 0.5 * h * (1.0 + t)
-    else:
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if MODE == 1:  # d/dh of 0.5 h (1 + tanh(u)), u' = sqrt(2/pi) (1 + 3 c h^2)
-            du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
-            out = g * (0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * du)
-        else:
-            out = g
-    out = tl.where(mask, out, 0.0)
     first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
-    scale, amax_ptr = scale_and_amax(scale_ptr, amax_ptr, slots_ptr, k3, inv_ptr, first, FP8_MAX,
-                                     DELAYED)  # fmt: skip
-    clamped = tl.minimum(tl.maximum(out * scale, -FP8_MAX), FP8_MAX)
-    fp8 = tl.float8e5 if E5M2 else tl.float8e4nv
-    bits = to_dtype(clamped, fp8, INTERPRETED).to(tl.uint8, bitcast=True)
-    tl.store(q_ptr + offs, bits, mask=mask)
-    if TRANSPOSED:
-        store_transposed(qt_ptr, bits, rows, cols, M, N, HOW)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(out), axis=1), axis=0))
-    if SUMS:  # a bias gradient from the unrounded values, in a fixed order (no atomics)
-        tl.store(sums_ptr + tl.program_id(0).to(tl.int64) * N + cols, tl.sum(out, axis=0),
-                 mask=cols < N)  # fmt: skip
+    if RECAST:  # fp8_scale.py: amax and sums stand as the first launch left them
+        over, scale = recast_scale(slots_ptr, k3, inv_ptr, first, FP8_MAX)
+        if over:
+            out = act_out(g_ptr, h_ptr, offs, mask, MODE)
+            store_fp8(q_ptr, qt_ptr, out, scale, rows, cols, mask, offs, M, N, FP8_MAX, E5M2,
+                      TRANSPOSED, HOW, INTERPRETED)  # fmt: skip
+    else:
+        out = act_out(g_ptr, h_ptr, offs, mask, MODE)
+        scale, amax_ptr = scale_and_amax(scale_ptr, amax_ptr, slots_ptr, k3, inv_ptr, first,
+                                         FP8_MAX, DELAYED)  # fmt: skip
+        store_fp8(q_ptr, qt_ptr, out, scale, rows, cols, mask, offs, M, N, FP8_MAX, E5M2,
+                  TRANSPOSED, HOW, INTERPRETED)  # fmt: skip
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(out), axis=1), axis=0))
+        if SUMS:  # a bias gradient from the unrounded values, in a fixed order (no atomics)
+            tl.store(sums_ptr + tl.program_id(0).to(tl.int64) * N + cols, tl.sum(out, axis=0),
+                     mask=cols < N)  # fmt: skip
 
 
 def act_fp8(mode, scale=None, amax=None, *, h=None, g=None, fp8=torch.float8_e4m3fn,
@@ -145,14 +169,16 @@ def act_fp8(mode, scale=None, amax=None, *, h=None, g=None, fp8=torch.float8_e4m
     partial = torch.empty((triton.cdiv(M, BM) if sums else 0, N), device=a.device,
                           dtype=torch.float32)  # fmt: skip
     d = delayed or (partial, 0, partial)  # unused unless delayed
-    act_fp8_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
-        a if g is None else g, a if h is None else h, q.view(torch.uint8),
-        qt.view(torch.uint8), d[0] if scale is None else scale, d[0] if amax is None else amax,
-        d[0], d[1], d[2], partial, M, N, FP8_MAX=FP8_MAX[fp8], E5M2=fp8 == torch.float8_e5m2,
-        MODE=MODES.index(mode), TRANSPOSED=in_kernel, HOW=how, SUMS=sums,
-        DELAYED=delayed is not None, BM=BM, BN=BN, INTERPRETED=a.device.type != "cuda",
-        num_warps=4,
-    )  # fmt: skip
+    args = (a if g is None else g, a if h is None else h, q.view(torch.uint8), qt.view(torch.uint8),
+            d[0] if scale is None else scale, d[0] if amax is None else amax, d[0], d[1], d[2],
+            partial, M, N)  # fmt: skip
+    meta = dict(FP8_MAX=FP8_MAX[fp8], E5M2=fp8 == torch.float8_e5m2, MODE=MODES.index(mode),
+                TRANSPOSED=in_kernel, HOW=how, SUMS=sums, DELAYED=delayed is not None, BM=BM,
+                BN=BN, INTERPRETED=a.device.type != "cuda", num_warps=4)  # fmt: skip
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    act_fp8_kernel[grid](*args, RECAST=False, **meta)
+    if delayed is not None and fp8_scale.RECAST_ON_OVERFLOW:
+        act_fp8_kernel[grid](*args, RECAST=True, **meta)
     if transposed and split:
         qt = transpose_fp8(q, block)
     out = q, (qt if transposed else None)
