@@ -12,6 +12,7 @@ from gpt2_fused.kernels.act_fp8 import (
     kernel_transposes_right,
     transpose_fp8,
 )
+from gpt2_fused.kernels.fp8_gemm import Fp8State
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -75,6 +76,19 @@ def test_kernel_transposes_right_is_false_where_the_kernels_copy_is_wrong(mode, 
         assert not kernel_transposes_right(h.device)
     assert DEV == "cuda" or kernel_transposes_right(h.device)
     q, qt = act_fp8(mode, s, amax, fp8=fp8, transposed=True, **ins)
+    assert torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t())
+
+
+@pytest.mark.parametrize("how", [0, 1, 2])
+def test_every_way_of_storing_the_transpose_stores_q_transposed(how):
+    """store_transposed's ways (tl.trans, transposed addresses, read back after a barrier), in
+    the kernel (split=False), at a shape that leaves partial tiles, with a delayed scale."""
+    h, grad = pair(70, 100, seed=6)
+    state = Fp8State(DEV, ["t"])
+    for _ in range(2):
+        _, (q, qt) = state.cast("t", lambda dl: act_fp8("dgelu", h=h, g=grad, fp8=torch.float8_e5m2,
+                                                         transposed=True, how=how, split=False,
+                                                         block=(32, 32), delayed=dl))  # fmt: skip
     assert torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t())
 
 

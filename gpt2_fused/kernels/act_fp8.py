@@ -37,14 +37,22 @@ MODES = ("gelu", "dgelu", "copy")
 
 
 @triton.jit
-def store_transposed(qt_ptr, bits, rows, cols, M, N, HOW: tl.constexpr):
+def store_transposed(qt_ptr, bits, rows, cols, M, N, HOW: tl.constexpr, q_ptr):
     """Store the tile `bits` (uint8, the FP8 bytes of rows x cols) into qt (N, M) transposed.
     HOW 0: tl.trans of the bytes; HOW 1: the tile stored to transposed addresses, the layout
     conversion left to the compiler. Either way the compiler moves 8-bit values through shared
     memory, which ptxas 12.x (bundled with Triton 3.6-3.8) miscompiles in some kernels, the
     GELU gradient's among them (triton-lang/triton#11111; bench/RESULTS.md#fp8-fused-casts):
-    act_fp8 then splits the copy off (kernel_transposes_right)."""
-    if HOW == 0:
+    act_fp8 then splits the copy off (kernel_transposes_right). HOW 2: the tile read back
+    from q (M, N), where this program has just stored it, after a barrier (a volatile load: no
+    forwarding from registers), then transposed as HOW 0 does: the shape of transpose_fp8's
+    kernel, which that ptxas gets right, with the tile still in L2."""
+    if HOW == 2:
+        tl.debug_barrier()  # the block's stores to q are visible to all its threads after it
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        bits = tl.load(q_ptr + offs, mask=mask, other=0, volatile=True)
+    if HOW != 1:
         offs = cols.to(tl.int64)[:, None] * M + rows[None, :]
         mask = (cols < N)[:, None] & (rows < M)[None, :]
         tl.store(qt_ptr + offs, tl.trans(bits), mask=mask)
@@ -83,7 +91,7 @@ def store_fp8(q_ptr, qt_ptr, out, scale, rows, cols, mask, offs, M, N, FP8_MAX: 
     bits = to_dtype(clamped, fp8, INTERPRETED).to(tl.uint8, bitcast=True)
     tl.store(q_ptr + offs, bits, mask=mask)
     if TRANSPOSED:
-        store_transposed(qt_ptr, bits, rows, cols, M, N, HOW)
+        store_transposed(qt_ptr, bits, rows, cols, M, N, HOW, q_ptr)
 
 
 @triton.jit
@@ -209,7 +217,7 @@ def transpose_bytes_kernel(q_ptr, qt_ptr, M, N, BM: tl.constexpr, BN: tl.constex
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     bits = tl.load(q_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0)
-    store_transposed(qt_ptr, bits, rows, cols, M, N, 0)
+    store_transposed(qt_ptr, bits, rows, cols, M, N, 0, q_ptr)
 
 
 def transpose_fp8(q, block=(64, 64)):
