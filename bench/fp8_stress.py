@@ -17,7 +17,7 @@ import train
 from bench.common import write_json
 from gpt2_fused.kernels import fp8_scale
 
-ARGS = [
+ARGS = [  # also tests/test_fp8.py's (STRESS_ARGS): one list
     "--n_layer=4",
     "--n_head=12",
     "--n_embd=768",

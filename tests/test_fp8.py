@@ -18,6 +18,7 @@ from torchao.float8 import Float8LinearConfig  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402  (not public; types only)
 
 import train  # noqa: E402
+from bench.fp8_stress import ARGS as STRESS_ARGS  # noqa: E402
 from conftest import read_log  # noqa: E402
 from gpt2_fused.core import fp8, model_io, sharding  # noqa: E402
 from gpt2_fused.core.config import TrainConfig  # noqa: E402
@@ -310,21 +311,7 @@ def test_gpu_fp8_training_follows_bf16_over_20_steps(recipe, tmp_path, capsys):
     """20 steps on the embedded data at n_embd 768, 4 layers, B 8 x T 256 (the model's default
     fast paths, compiled): --fp8=<recipe> and --fp8=off from the same seed log losses within
     LOSS_TOL of each other at every step, and both fall."""
-    args = [
-        "--n_layer=4",
-        "--n_head=12",
-        "--n_embd=768",
-        "--block_size=256",
-        "--batch_size=8",
-        "--total_batch_size=2048",
-        "--max_steps=20",
-        "--warmup_steps=5",
-        "--learning_rate=1e-3",
-        "--eval_interval=0",
-        "--sample_interval=0",
-        "--device=cuda",
-        "--dtype=auto",
-    ]
+    args = STRESS_ARGS  # bench/fp8_stress.py runs the same over seeds
     train.main(args + [f"--out_dir={tmp_path}/bf16", "--fp8=off"])
     train.main(args + [f"--out_dir={tmp_path}/fp8", f"--fp8={recipe}"])
     capsys.readouterr()
