@@ -6,7 +6,8 @@
 #   2. bench_fp8_casts: which in-kernel transposed copies are right (every store_transposed way,
 #      given and delayed scales) and each cast's time against Inductor's producer + a cast
 #   3. bench.fp8_stress: the 20-step GPU test's setting on three seeds (re-cast on overflow)
-#   4. train.py at 1558M:16, --fp8=fused against the bf16 default and plain (bench.throughput)
+#   4. train.py at 124M:32, --fp8=fused against the bf16 default, and at 1558M:16 against the
+#      default and plain (bench.throughput)
 #   PROFILE=1: instead of 1-4, the 1558M:16 --fp8=fused step's top kernels (~2 minutes)
 #   bash bench/fp8_fused_call.sh [OUT_DIR]      (torchao's wheel carried for test_fp8's rows)
 set -uo pipefail
@@ -40,5 +41,7 @@ $py -m pytest -q -m gpu -p no:cacheprovider -rf --tb=line tests/test_fp8.py -k "
 grep -E "^/|^E |^FAILED|passed|failed" "$out/pytest.txt" | cut -c1-300 | head -30
 $py -m bench.bench_fp8_casts --out "$out" 2>&1 | tail -30 | tee "$out/casts.txt"
 $py -m bench.fp8_stress --seeds 1337 7 42 --out "$out" 2>&1 | tail -6 | tee "$out/stress.txt"
+$py -m bench.throughput --runs 124M:32:30:10 --impls fp8_fused,default --time-budget 100 \
+    --out "$out/throughput_124M" 2>&1 | grep -E '^\||WARNING' | tee "$out/throughput_124M.txt"
 $py -m bench.throughput --runs 1558M:16:12:4 --impls fp8_fused,default,plain --time-budget 300 \
     --out "$out/throughput" 2>&1 | grep -E '^\||WARNING' | tee "$out/throughput.txt"

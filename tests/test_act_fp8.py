@@ -64,17 +64,18 @@ def test_matches_torch(mode, fp8, scale, M, N, transposed, split):
     ("gelu", torch.float8_e4m3fn), ("dgelu", torch.float8_e5m2), ("copy", torch.float8_e5m2),
 ])  # fmt: skip
 def test_kernel_transposes_right_is_false_where_the_kernels_copy_is_wrong(mode, fp8):
-    """kernel_transposes_right's one probe stands for every mode: where the kernel's own copy
-    (split=False) is wrong at another shape and seed, it says so (on an H200 under Triton 3.6's
-    bundled ptxas the GELU gradient's is wrong; the interpreter is always right); and act_fp8's
-    default way is right either way."""
+    """kernel_transposes_right's probe stands for every mode: where the kernel's own copy
+    (split=False), stored either way, is wrong at another shape and seed, it says so (on an
+    H200 under Triton 3.6's bundled ptxas the GELU gradient's is wrong with how 0; the
+    interpreter is always right); and act_fp8's default way is right either way."""
     h, grad = pair(256, 384, seed=5)
     ins = dict(gelu=dict(h=h), dgelu=dict(h=h, g=grad), copy=dict(g=grad))[mode]
     s, amax = torch.tensor([2.0**13], device=DEV), torch.zeros(1, device=DEV)
-    q, qt = act_fp8(mode, s, amax, fp8=fp8, transposed=True, split=False, **ins)
-    if not torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t()):
-        assert not kernel_transposes_right(h.device)
-    assert DEV == "cuda" or kernel_transposes_right(h.device)
+    for how in (0, 2):
+        q, qt = act_fp8(mode, s, amax, fp8=fp8, transposed=True, how=how, split=False, **ins)
+        if not torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t()):
+            assert not kernel_transposes_right(h.device, how)
+        assert DEV == "cuda" or kernel_transposes_right(h.device, how)
     q, qt = act_fp8(mode, s, amax, fp8=fp8, transposed=True, **ins)
     assert torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t())
 

@@ -192,7 +192,8 @@ def test_transposes_split_where_the_kernels_copy_is_wrong(monkeypatch):
     from gpt2_fused.kernels import act_fp8
 
     for right in (True, False):
-        monkeypatch.setattr(act_fp8, "kernel_transposes_right", lambda device, r=right: r)
+        monkeypatch.setattr(act_fp8, "kernel_transposes_right", lambda device, how, r=right: r)
+        monkeypatch.setattr(act_fp8, "transpose_way", lambda device: 2)
         assert fp8.transposes_split("cuda") is not right
 
 

@@ -250,9 +250,9 @@ def transposes_split(device):
     """Whether act_fp8 makes its transposed FP8 copies by transpose_fp8 after the kernel, as
     this GPU's compiled kernel gets them wrong (Triton's bundled ptxas on an H200), rather than
     in the kernel (CUDA 13's ptxas): bench/RESULTS.md#fp8-fused-casts."""
-    from gpt2_fused.kernels.act_fp8 import kernel_transposes_right
+    from gpt2_fused.kernels.act_fp8 import kernel_transposes_right, transpose_way
 
-    return not kernel_transposes_right(device)
+    return not kernel_transposes_right(device, transpose_way(device))
 
 
 def _transposes_right(device):

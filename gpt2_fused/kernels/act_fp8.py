@@ -18,9 +18,10 @@ is known before the first element: the previous call's, computed in the kernel f
 slots (fp8_scale.py), or given. That is what makes it one pass.
 Tiles of BM x BN: each program reads one tile of its inputs and writes it row-major to q and,
 transposed in registers, to qt, so both stores are coalesced. The ptxas that Triton 3.6-3.8
-bundle gets the GELU gradient's transposed tile wrong (store_transposed); where one call says
-so (kernel_transposes_right), transpose_fp8 makes qt from q after the kernel instead, one more
-read and write of the FP8 bytes. act_fp8_reference is the same in torch.
+bundle gets the transposed tiles wrong (store_transposed); where a probe says so
+(kernel_transposes_right), the kernel reads its tile back from q before transposing it
+(transpose_way), and where that is wrong too, transpose_fp8 makes qt from q after the kernel
+instead, one more read and write of the FP8 bytes. act_fp8_reference is the same in torch.
 """
 
 import functools
@@ -144,16 +145,16 @@ def act_fp8_kernel(
 
 
 def act_fp8(mode, scale=None, amax=None, *, h=None, g=None, fp8=torch.float8_e4m3fn,
-            transposed=False, sums=False, delayed=None, block=(64, 64), how=0,
+            transposed=False, sums=False, delayed=None, block=(64, 64), how=None,
             split=None):  # fmt: skip
     """(q, qt or None[, column sums]): `mode`'s output (module docstring) of h and/or g ((M, N),
     contiguous, one dtype) times scale ((1,) fp32), saturated and cast to `fp8`; qt = q^T
     contiguous when `transposed`; with `sums`, the output's column sums (N,) in fp32 before
     scaling and rounding (a bias gradient). amax ((1,) fp32) becomes max(amax, max |output|),
     in place. Or, in place of scale and amax, delayed (a fp8_scale.Delayed): the scale from its
-    slots, which take this call's amax. how: store_transposed's. split: qt by transpose_fp8
-    after the kernel (True) or in it (False); None: in it where this GPU's compiled kernels get
-    it right (kernel_transposes_right), else after."""
+    slots, which take this call's amax. how: store_transposed's (None: transpose_way's for this
+    GPU). split: qt by transpose_fp8 after the kernel (True) or in it (False); None: in it where
+    this GPU's compiled kernel gets it right that way (kernel_transposes_right), else after."""
     if mode not in MODES:
         raise ValueError(f"act_fp8: mode must be one of {MODES}, got {mode!r}")
     ins = [t for t in (h, g) if t is not None]
@@ -167,8 +168,10 @@ def act_fp8(mode, scale=None, amax=None, *, h=None, g=None, fp8=torch.float8_e4m
         raise ValueError("act_fp8: give scale and amax, or delayed")
     if fp8 not in FP8_MAX:
         raise ValueError(f"act_fp8: fp8 must be one of {list(FP8_MAX)}, got {fp8}")
+    if how is None:
+        how = transpose_way(a.device) if transposed else 0
     if split is None:
-        split = transposed and not kernel_transposes_right(a.device)
+        split = transposed and not kernel_transposes_right(a.device, how)
     in_kernel = transposed and not split
     M, N = a.shape
     q = torch.empty((M, N), device=a.device, dtype=fp8)
@@ -194,21 +197,33 @@ def act_fp8(mode, scale=None, amax=None, *, h=None, g=None, fp8=torch.float8_e4m
 
 
 @functools.cache
-def kernel_transposes_right(device):
-    """Whether act_fp8_kernel's transposed copies can be trusted on `device`, by one call in the
-    mode that shows the fault (the GELU gradient, e5m2, 512 x 1024): Triton 3.6-3.8's bundled
-    ptxas (12.x) gets a quarter of its bytes wrong on an H200, and with delayed scales the other
-    modes' copies too, where CUDA 13's ptxas gets them all right
-    (bench/RESULTS.md#fp8-fused-casts). Always True off the GPU (the interpreter is right)."""
+def kernel_transposes_right(device, how=0):
+    """Whether act_fp8_kernel's transposed copies, stored the `how` way, can be trusted on
+    `device`, by two calls in the modes that show the fault (the GELU gradient with a given
+    scale, e5m2; the GELU with a delayed one, e4m3; 512 x 1024): with how 0, Triton 3.6-3.8's
+    bundled ptxas (12.x) gets a quarter of their bytes wrong on an H200, where CUDA 13's gets
+    them all right (bench/RESULTS.md#fp8-fused-casts). Always True off the GPU (the interpreter
+    is right)."""
     device = torch.device(device)
     if device.type != "cuda":
         return True
     g = torch.Generator(device=device).manual_seed(0)
     h, dy = (torch.randn(512, 1024, device=device, generator=g).bfloat16() for _ in range(2))
     one, amax = torch.ones(1, device=device), torch.zeros(1, device=device)
-    q, qt = act_fp8("dgelu", one, amax, h=h, g=dy, fp8=torch.float8_e5m2, transposed=True,
-                    split=False)  # fmt: skip
-    return torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t())
+    slots = torch.tensor([4.0, 0.0, 0.0], device=device)  # a last amax near the GELU's
+    delayed = fp8_scale.Delayed(slots, 0, torch.empty(1, device=device))
+    way = dict(transposed=True, how=how, split=False)
+    copies = [act_fp8("dgelu", one, amax, h=h, g=dy, fp8=torch.float8_e5m2, **way),
+              act_fp8("gelu", h=h, delayed=delayed, **way)]  # fmt: skip
+    return all(torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t()) for q, qt in copies)
+
+
+@functools.cache
+def transpose_way(device):
+    """store_transposed's way for act_fp8's transposed copies on `device`: 0 (tl.trans of the
+    tile in registers) where the compiled kernel gets it right, else 2 (the tile read back from
+    q first), which act_fp8 still splits off where that is wrong too (kernel_transposes_right)."""
+    return 0 if kernel_transposes_right(device, 0) else 2
 
 
 @triton.jit
