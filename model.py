@@ -22,7 +22,9 @@ from torch import nn
 
 from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
 from gpt2_fused.kernels import attention, cublaslt, gemv
+from gpt2_fused.kernels.attn_fp8 import attn_fp8
 from gpt2_fused.kernels.mlp import mlp_cublaslt
+from gpt2_fused.kernels.mlp_fp8 import mlp_fp8
 
 # name -> (n_layer, n_head, n_embd); block size 1024, vocab 50257 for all of them.
 _PRESETS = {
@@ -111,6 +113,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         # decided once, here (as MLP.use_cublaslt): no device probing inside the forward
         self.use_fast = config.attn_impl == "fast" and config.dropout == 0 and attention.available()
+        self.fp8_state = None  # an Fp8State under --fp8=fused (gpt2_fused/core/fp8.py)
 
     def forward(self, x, cache=None, layer=0, residual=None):
         """The attention branch of x, plus residual when given (on the fast path, added in
@@ -164,6 +167,7 @@ class MLP(nn.Module):
         self.use_cublaslt = (
             config.mlp_impl == "fast" and torch.cuda.is_available() and cublaslt.available()
         )
+        self.fp8_state = None  # an Fp8State under --fp8=fused (gpt2_fused/core/fp8.py)
 
     def forward(self, x, decode=False, residual=None):
         """The MLP of x, plus residual when given (added in c_proj's epilogue where it can be)."""
@@ -195,6 +199,8 @@ class Block(nn.Module):
         step = cache is not None and cache.one_token  # a decoding step, not a prefill
         if step and not self.training and gemv.applies(x, self.attn.c_attn.weight):
             return self._decode_row(x, cache, layer)
+        if self.attn.fp8_state is not None and cache is None:  # --fp8=fused
+            return _mlp_fp8(_attn_fp8(x, self.ln_1, self.attn), self.ln_2, self.mlp)
         x = self.attn(self.ln_1(x), cache, layer, residual=x)
         return self.mlp(self.ln_2(x), decode=cache is not None, residual=x)
 
@@ -212,6 +218,22 @@ class Block(nn.Module):
         x = gemv.gemv(y, attn.c_proj.weight, attn.c_proj.bias, residual=x)
         h = gemv.gemv(x, mlp.c_fc.weight, mlp.c_fc.bias, gelu=True, ln=_ln_args(self.ln_2))
         return gemv.gemv(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x)
+
+
+# --fp8=fused: the block's halves with FP8 GEMMs and the casts in our kernels. Left eager by
+# torch.compile: their Triton launches and FP8 state are nothing Inductor would fuse into
+@torch.compiler.disable
+def _attn_fp8(x, ln, attn):
+    """x + attn(ln(x))."""
+    return attn_fp8(x, ln, attn.c_attn.weight, attn.c_attn.bias, attn.c_proj.weight,
+                    attn.c_proj.bias, attn.n_head, attn.fp8_state)  # fmt: skip
+
+
+@torch.compiler.disable
+def _mlp_fp8(x, ln, mlp):
+    """x + mlp(ln(x))."""
+    return mlp_fp8(x, ln, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias,
+                   mlp.fp8_state)  # fmt: skip
 
 
 def _ln_args(ln):

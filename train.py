@@ -341,7 +341,14 @@ def main(argv=None, train_loader=DataLoader):
         cfg.compile_mode = pick_mode(cfg.compile_mode, device, procs.ddp, per_layer)  # "auto"
         if cfg.fp8 != "off":  # before sharding, compile and DDP wrap the Linears
             n = len(fp8.convert(raw_model, cfg.fp8, shard.fully_sharded))
-            notes.append(f"fp8 {cfg.fp8}: {n} block Linears on FP8 GEMMs (torchao), lm_head bf16")
+            how = "our kernels' casts" if cfg.fp8 == "fused" else "torchao"
+            notes.append(f"fp8 {cfg.fp8}: {n} block Linears on FP8 GEMMs ({how}), lm_head bf16")
+            if cfg.fp8 == "fused" and fp8.transposes_split(device):
+                notes.append(  # Triton's bundled ptxas (bench/RESULTS.md#fp8-fused-casts)
+                    "fp8 fused: the transposed FP8 copies by passes of their own, as this ptxas "
+                    "miscompiles them in the casting kernels: a CUDA 13 ptxas in "
+                    "TRITON_PTXAS_PATH saves those passes"
+                )
         shard.shard_model(raw_model)  # FSDP2 under shard="full", in place
         optimizer = shard.make_optimizer(raw_model, cfg, device)
         run = Run(cfg, procs, raw_model, optimizer, loader, val_glob, dtype, print0, shard)

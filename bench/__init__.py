@@ -19,6 +19,9 @@ several share from bench.common, never from one another. Their results go to ben
     bench_gemv          the batch-1 decoding GEMV with its weights from HBM
     bench_adamw         the optimizer step against its memory floor
     bench_fp8           FP8 variants of the training fwd+bwd against bf16
+    bench_fp8_casts     FP8 casts made in LayerNorm / GELU / its gradient against separate ones
+    bench_fp8_mlp       a half block (MLP or attention) fwd+bwd: bf16, torchao FP8, fused casts
+    fp8_stress          delayed FP8 scales under stress: 20 steps at lr 1e-3, per-step gaps to bf16
     bench_sample        generation speed of the decode modes
     bench_data          data preparation and loader throughput
     shard_memory        per-rank memory of --shard's modes at W ranks
@@ -27,5 +30,5 @@ several share from bench.common, never from one another. Their results go to ben
     common              (no command) shapes, inputs, loss methods and timers the others share
 
 The shell scripts (gpu_gate.sh, e2e_h200.sh, ddp_h200.sh, quality_pair.sh, sample_h200.sh,
-shard_overhead.sh) run these on a GPU host: `bash bench/<script>.sh`.
+shard_overhead.sh, fp8_fused_call.sh) run these on a GPU host: `bash bench/<script>.sh`.
 """

@@ -2,6 +2,7 @@
 and launch variants, and the timers (CUDA events, CUDA graphs). Importing it touches no GPU.
 """
 
+import argparse
 import contextlib
 import json
 import os
@@ -167,6 +168,18 @@ def write_json(folder, name, obj):
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, name), "w") as f:
         json.dump(obj, f, indent=1)
+
+
+def xl_shape_args(doc, halves=False):
+    """--tokens, --width (1558M:16's 16 x 1024 tokens, n_embd 1600) and --out of a benchmark
+    whose module docstring is doc; with halves, --half (a block's "mlp" or "attn" half)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--width", type=int, default=1600)
+    ap.add_argument("--out", default=None)
+    if halves:
+        ap.add_argument("--half", choices=("mlp", "attn"), default="mlp")
+    return ap.parse_args()
 
 
 def for_benchmarks(train, on_step=None):

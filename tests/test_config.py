@@ -80,6 +80,7 @@ def test_preset_sets_shape_and_explicit_keys_win(tmp_path):
         (["--dtype=fp16"], "dtype"),
         (["--fp8=bf16"], "fp8"),
         (["--shard=zero"], "shard"),
+        (["--fp8=fused", "--shard=full"], "shard"),
         (["--compile_mode=fastest"], "compile_mode"),
         (["--activation_memory_budget=0.0"], "activation_memory_budget"),
         (["--activation_memory_budget=1.5"], "activation_memory_budget"),

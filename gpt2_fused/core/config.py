@@ -49,7 +49,7 @@ class TrainConfig:
     adamw_impl: str = setting("fast", '"fast": one Triton launch (CUDA fp32); "torch": torch.optim')
     # the blocks' Linears on FP8 tensor cores through torchao (gpt2_fused/core/fp8.py); lm_head
     # stays bf16
-    fp8: str = setting("off", '"off", "tensorwise" or "rowwise": FP8 block GEMMs (torchao)')
+    fp8: str = setting("off", '"off", "tensorwise", "rowwise" (torchao) or "fused": FP8 GEMMs')
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
     batch_size: int = setting(8, "micro-batch size per process (sequences)")
     total_batch_size: int = setting(0, "tokens a step over all processes (0: one micro-batch each)")
@@ -177,6 +177,11 @@ class TrainConfig:
             )
         if cfg.shard not in SHARD_MODES:
             raise ConfigError(f"config key 'shard': one of {SHARD_MODES}, not {cfg.shard!r}")
+        if cfg.fp8 == "fused" and cfg.shard == "full":  # FSDP2's sharded weights: not measured
+            raise ConfigError(
+                "fp8='fused' with shard='full': the fused FP8 kernels take whole weights and are "
+                "untested under FSDP2; use --shard=optimizer or --fp8=tensorwise"
+            )
 
 
 SHARD_MODES = ("none", "optimizer", "full")  # gpt2_fused/core/sharding.py's classes

@@ -11,6 +11,10 @@ raw weights, are off in converted blocks.
 
     tensorwise  one scale per tensor; x and W in e4m3, dy in e5m2; cuBLAS GEMMs, the fastest
     rowwise     one power-of-two scale per row of each operand, all in e4m3; CUTLASS GEMMs
+    fused       not torchao: each block's two halves, x + attention(LN_1(x)) and x + MLP(LN_2(x)),
+                with the four GEMMs in FP8 and every operand cast in the kernel that makes it,
+                delayed tensorwise scales (gpt2_fused/kernels/attn_fp8.py, mlp_fp8.py); the
+                attention itself in bf16 (cuDNN)
     off         no conversion (bf16 autocast with fp32 master weights, the default)
 
 torch._scaled_mm takes dimensions that are multiples of 16 only, the summed one included: n_embd
@@ -33,7 +37,7 @@ import re
 import torch
 from torch import nn
 
-RECIPES = ("off", "tensorwise", "rowwise")
+RECIPES = ("off", "tensorwise", "rowwise", "fused")
 # torchao 0.17 is the first release built against torch's stable ABI (torch 2.11 and later);
 # older ones must match torch's version exactly. This module is written against 0.18's API.
 MIN_TORCHAO = (0, 17)
@@ -50,6 +54,23 @@ def check(recipe, device):
     a missing kernel (say rowwise on a GPU or torch build without it) stops the run here, not at
     its first step."""
     if recipe == "off":  # the name itself is TrainConfig's to check
+        return
+    device = torch.device(device)
+    if recipe == "fused":
+        name = _check_gpu(recipe, device)
+        try:
+            _tiny_fused_step(device)
+        except Exception as e:  # a GPU or torch build without the FP8 GEMM
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"fp8='fused': FP8 GEMMs fail on {name} with torch "
+                             f"{torch.__version__} ({first}): pass --fp8=off") from e  # fmt: skip
+        if not _transposes_right(device):
+            raise ValueError(
+                f"fp8='fused': on {name} Triton's ptxas miscompiles the kernels that write the "
+                "transposed FP8 copies (triton-lang/triton#11111, ptxas 12.x): set "
+                "TRITON_PTXAS_PATH to a CUDA 13 ptxas (e.g. /usr/local/cuda/bin/ptxas) or pass "
+                "--fp8=tensorwise"
+            )
         return
     torchao = _import_torchao(recipe)
     ours, theirs = _version(torch.__version__), _version(torchao.__version__)
@@ -74,7 +95,20 @@ def check(recipe, device):
             f"fp8={recipe!r}: torchao {torchao.__version__} lacks the float8 training API used "
             f"here ({e}); written against torchao 0.18: pip install torchao==0.18.0"
         ) from e
-    device = torch.device(device)
+    name = _check_gpu(recipe, device)
+    try:
+        _tiny_step(recipe, device)
+    except Exception as e:  # whatever torch or torchao raise: the run cannot use the recipe
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(
+            f"fp8={recipe!r}: torchao's FP8 GEMMs fail on {name} with torch {torch.__version__}, "
+            f"torchao {torchao.__version__} ({first}): try the other recipe or --fp8=off"
+        ) from e
+
+
+def _check_gpu(recipe, device):
+    """ValueError unless `device` (a torch.device) is a CUDA GPU with FP8 tensor cores; its
+    name."""
     if device.type != "cuda":
         raise ValueError(
             f"fp8={recipe!r} needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+: "
@@ -86,14 +120,7 @@ def check(recipe, device):
             f"fp8={recipe!r}: {name} (compute capability {cc[0]}.{cc[1]}) has no FP8 tensor "
             "cores (8.9+: Ada, Hopper, Blackwell): pass --fp8=off"
         )
-    try:
-        _tiny_step(recipe, device)
-    except Exception as e:  # whatever torch or torchao raise: the run cannot use the recipe
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(
-            f"fp8={recipe!r}: torchao's FP8 GEMMs fail on {name} with torch {torch.__version__}, "
-            f"torchao {torchao.__version__} ({first}): try the other recipe or --fp8=off"
-        ) from e
+    return name
 
 
 def convert(model, recipe, fully_sharded):
@@ -105,6 +132,8 @@ def convert(model, recipe, fully_sharded):
     n_embd = model.config.n_embd
     if n_embd % 16:  # torch._scaled_mm: the GEMMs' K and N are multiples of 16
         raise ValueError(f"fp8={recipe!r} needs n_embd divisible by 16, got {n_embd}")
+    if recipe == "fused":
+        return _convert_fused(model)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
@@ -133,6 +162,27 @@ def convert(model, recipe, fully_sharded):
         block.mlp.use_cublaslt = False
         block.attn.use_fast = False
     return converted
+
+
+def _convert_fused(model):
+    """Give each block's attention and MLP an Fp8State: model.Block then runs its two halves as
+    attn_fp8 and mlp_fp8."""
+    from gpt2_fused.kernels.attn_fp8 import attn_state
+    from gpt2_fused.kernels.mlp_fp8 import mlp_state
+
+    cfg = model.config
+    if cfg.dropout:
+        raise ValueError("fp8='fused' has no dropout in its blocks: needs dropout=0.0")
+    hs = cfg.n_embd // cfg.n_head
+    if hs % 8 or hs > 128:  # cuDNN's attention, as the bf16 fast path's
+        raise ValueError(f"fp8='fused' needs a head size that is a multiple of 8 up to 128, "
+                         f"got {hs}")  # fmt: skip
+    device = model.transformer.wte.weight.device
+    names = []
+    for i, block in enumerate(model.transformer.h):
+        block.attn.fp8_state, block.mlp.fp8_state = attn_state(device), mlp_state(device)
+        names += [f"transformer.h.{i}.{n}" for n in BLOCK_LINEARS]
+    return names
 
 
 def after_optimizer_step(model, recipe, fully_sharded):
@@ -181,6 +231,42 @@ def _tiny_step(recipe, device):
         y = net(x)
     y.float().sum().backward()
     torch.cuda.synchronize(device)
+
+
+def _tiny_fused_step(device):
+    """One forward and backward of mlp_fp8 at width 32 on `device`."""
+    from gpt2_fused.kernels.mlp_fp8 import mlp_fp8, mlp_state
+
+    ln, fc, proj = nn.LayerNorm(32), nn.Linear(32, 128), nn.Linear(128, 32)
+    for m in (ln, fc, proj):
+        m.to(device)
+    x = torch.randn(16, 32, device=device, requires_grad=True)
+    out = mlp_fp8(x, ln, fc.weight, fc.bias, proj.weight, proj.bias, mlp_state(device))
+    out.float().sum().backward()
+    torch.cuda.synchronize(device)
+
+
+def transposes_split(device):
+    """Whether act_fp8 makes its transposed FP8 copies by transpose_fp8 after the kernel, as
+    this GPU's compiled kernel gets them wrong (Triton's bundled ptxas on an H200), rather than
+    in the kernel (CUDA 13's ptxas): bench/RESULTS.md#fp8-fused-casts."""
+    from gpt2_fused.kernels.act_fp8 import kernel_transposes_right, transpose_way
+
+    return not kernel_transposes_right(device, transpose_way(device))
+
+
+def _transposes_right(device):
+    """Whether every transposed FP8 copy the fused recipe makes is its row-major copy transposed,
+    byte for byte, at 512 x 1024 on `device`: act_fp8's (in the kernel, or after it where
+    transposes_split says so) and transpose_fp8's, which the split ones are."""
+    from gpt2_fused.kernels.act_fp8 import act_fp8, transpose_fp8
+
+    g = torch.Generator(device=device).manual_seed(0)
+    h, dy = (torch.randn(512, 1024, device=device, generator=g).bfloat16() for _ in range(2))
+    q, qt = act_fp8("dgelu", torch.ones(1, device=device), torch.zeros(1, device=device), h=h,
+                    g=dy, fp8=torch.float8_e5m2, transposed=True)  # fmt: skip
+    want = q.view(torch.uint8).t()
+    return all(torch.equal(t.view(torch.uint8), want) for t in (qt, transpose_fp8(q)))
 
 
 def _plain(t):
