@@ -13,7 +13,7 @@
 #    slow machine loses 124M repeats, with a warning, rather than the call's whole table).
 # Then one short table. Exit status: pytest's, else throughput.py's. About 9 minutes on an H200.
 # Environment: PYTHON (default python3), REPEATS (3), REPEATS_LARGE (1), RUNS / RUNS_LARGE (the
-# model:batch[:steps:warmup] lists), IMPLS (default,plain; bench/throughput.py's, e.g.
+# model:batch[:steps:warmup] lists; empty: none), IMPLS (default,plain; bench/throughput.py's, e.g.
 # default,plain,fp8), BUDGET (570), GATE_COMMIT (the commit the table names, when
 # the copy has no .git), WORKERS (pytest-xdist processes for the tests when installed, default 4).
 set -uo pipefail
@@ -31,8 +31,8 @@ rc_tests=${PIPESTATUS[0]}
 tests_s=$(($(date +%s) - start))
 
 rc_speed=0
-for pair in "${RUNS_LARGE:-1558M:16:16:6} ${REPEATS_LARGE:-1}" "${RUNS:-124M:32:30:10} ${REPEATS:-3}"; do
-    read -r runs repeats <<<"$pair"
+for pair in "${RUNS_LARGE-1558M:16:16:6}|${REPEATS_LARGE:-1}" "${RUNS-124M:32:30:10}|${REPEATS:-3}"; do
+    IFS="|" read -r runs repeats <<<"$pair"
     [ -z "$runs" ] && continue
     left=$((${BUDGET:-570} - ($(date +%s) - start)))
     $py -m bench.throughput --runs "$runs" --impls "${IMPLS:-default,plain}" --repeats "$repeats" \
