@@ -211,14 +211,21 @@ def compile_and_wrap(run, use_compile, grad_accum):
     """Set run.model, the (compiled) model that evaluates, and run.train_model, the one that
     trains (in DDP under torchrun). ddp_compile="ddp" compiles the DDP module: one module for
     both. Under FSDP2 raw_model is sharded already (run.shard.shard_model): no DDP. Under CUDA
-    graphs (one process: sharding.mode) with several micro-batches a step, the grads get buffers
-    of their own (keep_grads); with one, each step's grads are the backward graph's outputs, set
-    to None before the next replay: no add into buffers, no zeroing (RESULTS.md#cuda-graphs)."""
+    graphs with several micro-batches a step, the grads get buffers of their own (keep_grads);
+    with one, each step's grads are the backward graph's outputs, set to None before the next
+    replay: no add into buffers, no zeroing (RESULTS.md#cuda-graphs). Under torchrun with the
+    grads summed once a step (grad_sync "step", "auto" under graphs), they are kept always, in
+    the flat buffer that the step all-reduces, and there is no DDP module."""
     cfg, procs, raw_model = run.cfg, run.procs, run.raw_model
     compiled = functools.partial(torch.compile, mode=cfg.compile_mode)
-    run.keep_grads = use_compile and uses_cuda_graphs(cfg.compile_mode) and grad_accum > 1
-    if run.keep_grads:
-        keep_grads(raw_model)
+    graphs = use_compile and uses_cuda_graphs(cfg.compile_mode)
+    if sharding.sums_at_step(cfg, procs, graphs):
+        run.shard.sync_at_step(raw_model)
+        run.keep_grads = True
+    else:
+        run.keep_grads = graphs and grad_accum > 1
+        if run.keep_grads:
+            keep_grads(raw_model)
     # gradients as views into DDP's all-reduce buckets: one copy of them, not two
     wrap = functools.partial(
         DDP,
@@ -266,7 +273,10 @@ def train_step(run, step, grad_accum, stop, check):
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     norm = run.shard.step(optimizer, run.raw_model, max_norm)
     fp8.after_optimizer_step(run.raw_model, cfg.fp8, run.shard.fully_sharded)
-    optimizer.zero_grad(set_to_none=not run.keep_grads)
+    if run.shard.grads is not None:  # the flat buffer of every grad: one kernel
+        run.shard.grads.zero_()
+    else:
+        optimizer.zero_grad(set_to_none=not run.keep_grads)
     # torch.full, not torch.tensor: a host-to-device copy of a Python number would sync
     stats = torch.stack([loss_sum, torch.full((), float(stop.requested), device=device)])
     if ddp:
@@ -338,7 +348,8 @@ def main(argv=None, train_loader=DataLoader):
             raw_model = GPT(cfg.model)
         raw_model.z_loss = cfg.z_loss  # in training-mode losses only: val stays plain CE
         per_layer = raw_model.flops_per_token() * cfg.batch_size * T / cfg.model.n_layer
-        cfg.compile_mode = pick_mode(cfg.compile_mode, device, procs.ddp, per_layer)  # "auto"
+        bucketed = procs.ddp and not sharding.graphs_fit(cfg)  # DDP's or FSDP2's all-reduces
+        cfg.compile_mode = pick_mode(cfg.compile_mode, device, bucketed, per_layer)  # "auto"
         if cfg.fp8 != "off":  # before sharding, compile and DDP wrap the Linears
             n = len(fp8.convert(raw_model, cfg.fp8, shard.fully_sharded))
             how = "our kernels' casts" if cfg.fp8 == "fused" else "torchao"
@@ -378,6 +389,8 @@ def main(argv=None, train_loader=DataLoader):
         if use_compile:  # compilation is lazy (first step, first eval): patched until the end
             compile_settings.enter_context(compiler_settings(cfg))
         compile_and_wrap(run, use_compile, grad_accum)
+        if run.shard.grads is not None:
+            notes.append("grads summed across ranks once a step, after the backward (grad_sync)")
 
         tokens_per_step = cfg.batch_size * T * world_size * grad_accum
         flops_per_step = raw_model.flops_per_token() * tokens_per_step

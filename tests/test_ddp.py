@@ -1,5 +1,6 @@
 """2-process DDP (gloo, CPU) under torchrun == 1 process with twice the gradient accumulation."""
 
+import json
 import os
 import signal
 import subprocess
@@ -26,7 +27,9 @@ def torchrun_2(*args):
 
 
 @pytest.mark.parametrize(
-    "options", [[], ["--softcap=30", "--z_loss=1e-3"]], ids=["plain", "loss_options"]
+    "options",
+    [[], ["--softcap=30", "--z_loss=1e-3"], ["--grad_sync=step"]],
+    ids=["plain", "loss_options", "grads_summed_at_step"],
 )
 def test_ddp_matches_single_process_accumulation(tiny_args, tmp_path, options):
     # total_batch_size 256 = B 4 x T 32 x (1 rank x 2 micro-steps | 2 ranks x 1 micro-step): the
@@ -93,6 +96,82 @@ def test_ddp_compiled_as_one_module_matches_single_process(tiny_args, tmp_path):
         assert b[step] == pytest.approx(a[step], rel=1e-4), step
     for step in a_val:
         assert b_val[step] == pytest.approx(a_val[step], rel=1e-4), step
+
+
+def test_grads_summed_once_a_step_train_as_ddp_and_one_process_do(tiny_args, tmp_path):
+    """--grad_sync=step (no DDP module: rank 0's weights broadcast, the grads kept in one flat
+    buffer, one all-reduce after the step's last backward; what CUDA graphs need under
+    torchrun) with 2 micro-steps per rank: the losses, validation losses and final weights of
+    one process with 4 micro-steps (an independent path: no process group at all), and a resume
+    from its step-2 checkpoint continues the same curve."""
+    args = tiny_args + ["--max_steps=4", "--eval_interval=2", "--ckpt_interval=2"]
+    args += ["--total_batch_size=512"]
+    single, multi = tmp_path / "single", tmp_path / "step"
+    train.main(args + [f"--out_dir={single}"])
+    cmd = torchrun_2(*args, "--grad_sync=step", f"--out_dir={multi}")
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "grad_accum 2 = 512" in out and "grads summed across ranks once a step" in out
+    assert "Traceback" not in out
+    a, a_val = read_log(single)
+    b, b_val = read_log(multi)
+    assert sorted(b) == list(range(4)) and sorted(b_val) == [0, 2, 4]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    for step in a_val:
+        assert b_val[step] == pytest.approx(a_val[step], rel=1e-5, abs=1e-6), step
+    ref = torch.load(single / "ckpt_0000004.pt", weights_only=True)
+    got = torch.load(multi / "ckpt_0000004.pt", weights_only=True)
+    for k, v in ref["model"].items():
+        torch.testing.assert_close(got["model"][k], v, rtol=1e-4, atol=1e-5)
+
+    os.remove(multi / "ckpt_0000004.pt")  # resume from step 2 and train steps 2-3 again
+    with open(multi / "log.jsonl") as f:
+        kept = [line for line in f if json.loads(line)["step"] <= 2]
+    with open(multi / "log.jsonl", "w") as f:
+        f.writelines(kept)
+    cmd = torchrun_2(*args, "--grad_sync=step", f"--out_dir={multi}", "--resume")
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    c, c_val = read_log(multi)
+    assert sorted(c) == list(range(4)) and sorted(c_val) == [0, 2, 4]
+    for step in a:
+        assert c[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_torchrun_runs_cuda_graphs_with_evals_samples_and_resume(tiny_args, tmp_path):
+    """Under torchrun (1 process, NCCL) compile_mode=auto records CUDA graphs at this size and
+    the grads are summed once a step (grad_sync auto): two micro-steps a step, evaluations, a
+    sample and checkpoints, then a resume; the losses are those of the same run in one process
+    without torchrun (which keeps its grads the same way, with no all-reduce)."""
+    args = [a for a in tiny_args if not a.startswith(("--device", "--dtype", "--compile"))]
+    args += ["--device=cuda", "--dtype=auto", "--total_batch_size=512"]
+    args += ["--eval_interval=2", "--sample_interval=3", "--ckpt_interval=3"]
+    single, multi = tmp_path / "single", tmp_path / "torchrun"
+    train.main([*args, "--max_steps=6", f"--out_dir={single}"])
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [*launcher, "--nproc_per_node=1", "train.py", *args, "--max_steps=6"]
+    res = subprocess.run([*cmd, f"--out_dir={multi}"], cwd=REPO, capture_output=True, text=True,
+                         timeout=600, check=False)  # fmt: skip
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "compile reduce-overhead" in out and "grads summed across ranks once a step" in out
+    assert "sample at step 3" in out
+    a, a_val = read_log(single)
+    b, b_val = read_log(multi)
+    assert sorted(b) == list(range(6)) and sorted(b_val) == [0, 2, 4, 6]
+    for step in a:  # bf16 and atomics: the same run twice is not bit-identical
+        assert b[step] == pytest.approx(a[step], rel=2e-3), step
+    cmd[-1] = "--max_steps=8"
+    res = subprocess.run([*cmd, f"--out_dir={multi}", "--resume"], cwd=REPO, capture_output=True,
+                         text=True, timeout=600, check=False)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "resumed from" in res.stdout + res.stderr
+    b, b_val = read_log(multi)
+    assert sorted(b) == list(range(8)) and sorted(b_val) == [0, 2, 4, 6, 8]
 
 
 def test_ddp_sigterm_to_torchrun_saves_then_resumes_on_one_process(tiny_args, tmp_path):

@@ -99,6 +99,20 @@ def test_sharded_losses_equal_ddp(runs, mode, world):
     assert got[STEPS - 1] < got[0] - 2  # it trained
 
 
+def test_zero1_with_grads_summed_once_a_step_equals_ddp(runs, tiny_data, tmp_path):
+    """ZeRO-1 with grad_sync="step" (the grads' one all-reduce after the backward, no DDP
+    module: what CUDA graphs need under torchrun) trains as DDP does."""
+    out = torchrun(2, shard_args(tiny_data, tmp_path, "--shard=optimizer", "--grad_sync=step"))
+    assert "grads summed across ranks once a step" in out
+    ref, ref_val = read_log(runs["none", 2][0])
+    got, got_val = read_log(tmp_path)
+    assert sorted(got) == list(range(STEPS)) and sorted(got_val) == [0, 10, 20]
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    for step in ref_val:
+        assert got_val[step] == pytest.approx(ref_val[step], rel=1e-5), step
+
+
 @pytest.mark.parametrize("mode, world", RUNS[1:])
 def test_optimizer_state_per_rank_is_a_wth_of_ddps(runs, mode, world):
     """Measured: the bytes of the tensors in each rank's optimizer state. DDP keeps all of it on
@@ -191,7 +205,13 @@ def test_compiled_fsdp2_trains_like_ddp(runs, tiny_data, tmp_path):
         (dict(shard="full"), "cuda", "pass --adamw_impl=torch"),
         (dict(shard="full", adamw_impl="torch", hellaswag=True), "cuda", "eval_hellaswag.py"),
         (dict(shard="full", ddp_compile="ddp"), "cpu", "FSDP2 has no DDP module"),
-        (dict(compile_mode="reduce-overhead"), "cuda", "pass --compile_mode=default"),
+        (dict(compile_mode="reduce-overhead", grad_sync="ddp"), "cuda", "--grad_sync=step"),
+        (
+            dict(compile_mode="max-autotune", shard="full", adamw_impl="torch"),
+            "cuda",
+            "pass --compile_mode=default",
+        ),
+        (dict(compile_mode="reduce-overhead", ddp_compile="ddp"), "cuda", "CUDA graphs cannot"),
     ],
 )
 def test_combinations_that_do_not_run_are_refused_in_one_line(settings, device, says):
@@ -199,6 +219,22 @@ def test_combinations_that_do_not_run_are_refused_in_one_line(settings, device, 
     with pytest.raises(ConfigError, match=re.escape(says)) as e:
         sharding.mode(TrainConfig(**settings), procs)
     assert "\n" not in str(e.value)
+
+
+def test_cuda_graphs_under_torchrun_sum_the_grads_once_a_step():
+    """compile_mode=auto may pick CUDA graphs under torchrun, and then the grads are summed
+    once a step (grad_sync auto), except where DDP's buckets or FSDP2 must sum them."""
+    cuda = Processes(ddp=True, rank=0, local_rank=0, world_size=2, device=torch.device("cuda"))
+    one = Processes(ddp=False, rank=0, local_rank=0, world_size=1, device=torch.device("cuda"))
+    cfg = TrainConfig(compile_mode="reduce-overhead")
+    assert sharding.mode(cfg, cuda).name == "none"  # not refused
+    assert sharding.graphs_fit(cfg) and sharding.sums_at_step(cfg, cuda, graphs=True)
+    assert not sharding.sums_at_step(cfg, cuda, graphs=False)  # DDP without graphs
+    assert not sharding.sums_at_step(cfg, one, graphs=True)  # one process: nothing to sum
+    assert sharding.sums_at_step(TrainConfig(grad_sync="step"), cuda, graphs=False)
+    for bucketed in (dict(grad_sync="ddp"), dict(ddp_compile="ddp"), dict(shard="full")):
+        assert not sharding.graphs_fit(TrainConfig(**bucketed))
+        assert not sharding.sums_at_step(TrainConfig(**bucketed), cuda, graphs=True)
 
 
 def test_what_runs_with_sharding():

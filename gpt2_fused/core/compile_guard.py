@@ -35,14 +35,15 @@ COMPILE_CHECK_TOL = 2e-3
 GRAPHS_BELOW_FLOP_PER_LAYER = 1.5e12
 
 
-def pick_mode(mode, device, ddp, flop_per_layer):
+def pick_mode(mode, device, bucketed, flop_per_layer):
     """torch.compile's mode; "auto" is "reduce-overhead" (CUDA graphs: the step replayed, not
-    launched op by op) for one process on a GPU whose micro-batch is small enough for the host
-    to pace the step (flop_per_layer: one micro-batch's forward and backward FLOP over n_layer),
-    else "default". Under torchrun "default" (sharding.mode)."""
+    launched op by op) on a GPU whose micro-batch is small enough for the host to pace the step
+    (flop_per_layer: one micro-batch's forward and backward FLOP over n_layer), else "default".
+    bucketed: under torchrun the grads are summed in DDP's buckets or FSDP2's during the
+    backward, which graphs cannot hold ("default"; sharding.graphs_fit)."""
     if mode != "auto":
         return mode
-    graphs = device.type == "cuda" and not ddp and flop_per_layer < GRAPHS_BELOW_FLOP_PER_LAYER
+    graphs = device.type == "cuda" and not bucketed and flop_per_layer < GRAPHS_BELOW_FLOP_PER_LAYER
     return "reduce-overhead" if graphs else "default"
 
 
@@ -52,13 +53,22 @@ def uses_cuda_graphs(mode):
 
 def keep_grads(model):
     """Give every trainable parameter a .grad of its own, to be zeroed (not freed) after each
-    step. Under CUDA graphs autograd installs the backward graph's output as a parameter's first
-    .grad, and the next micro-batch's replay writes over that memory: with gradient
-    accumulation the sum is lost (pytorch/pytorch#169545). Into a buffer of its own, every
-    micro-batch's gradient is added in place."""
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
+    step: views into one flat buffer, which is returned (one all-reduce a step under torchrun:
+    sharding.DataParallel.sync_at_step). Under CUDA graphs autograd installs the backward
+    graph's output as a parameter's first .grad, and the next micro-batch's replay writes over
+    that memory: with gradient accumulation the sum is lost (pytorch/pytorch#169545). Into a
+    buffer of its own, every micro-batch's gradient is added in place."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if len({(p.dtype, p.device) for p in params}) != 1:
+        raise ValueError("keep_grads: the trainable parameters must share one dtype and device")
+    # each slot starts at a multiple of 4 elements: 16-byte addresses (adamw.py's wide loads)
+    slots = [(p.numel() + 3) // 4 * 4 for p in params]
+    flat = torch.zeros(sum(slots), dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    for p, n in zip(params, slots, strict=True):
+        p.grad = flat[offset : offset + p.numel()].view_as(p)
+        offset += n
+    return flat
 
 
 class CompileMismatch(RuntimeError):

@@ -101,6 +101,11 @@ class TrainConfig:
     # "model": compile, then wrap in DDP (nanoGPT); "ddp": compile the DDP module, so Dynamo
     # splits the graph at gradient buckets and each all-reduce overlaps the backward
     ddp_compile: str = setting("model", '"model" or "ddp": which of DDP and compile wraps')
+    # under torchrun, how the ranks' grads are summed: "ddp" in DDP's buckets, each all-reduce
+    # overlapping the backward; "step" in one all-reduce of a flat buffer after the step's last
+    # backward, which CUDA graphs allow (sharding.py); "auto": "step" when the step runs as
+    # CUDA graphs, else "ddp"
+    grad_sync: str = setting("auto", '"auto", "ddp" or "step": how ranks sum their grads')
     # under torchrun (sharding.py): "optimizer" is ZeRO-1, "full" is FSDP2 over the blocks
     shard: str = setting("none", '"none" (DDP), "optimizer" (AdamW state) or "full" (FSDP2)')
     seed: int = setting(1337, "seed of the init, dropout and data order")
@@ -170,6 +175,15 @@ class TrainConfig:
         if cfg.ddp_compile not in ("model", "ddp"):
             raise ConfigError(
                 f"config key 'ddp_compile': 'model' or 'ddp', not {cfg.ddp_compile!r}"
+            )
+        if cfg.grad_sync not in ("auto", "ddp", "step"):
+            raise ConfigError(
+                f"config key 'grad_sync': 'auto', 'ddp' or 'step', not {cfg.grad_sync!r}"
+            )
+        if cfg.grad_sync == "step" and (cfg.ddp_compile == "ddp" or cfg.shard == "full"):
+            other = "shard='full'" if cfg.shard == "full" else "ddp_compile='ddp'"
+            raise ConfigError(
+                f"grad_sync='step' sums the grads without DDP or FSDP2: not with {other}"
             )
         if cfg.compile_mode not in COMPILE_MODES:
             raise ConfigError(

@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from gpt2_fused.core.compile_guard import uses_cuda_graphs
+from gpt2_fused.core.compile_guard import keep_grads, uses_cuda_graphs
 from gpt2_fused.core.config import ConfigError
 from gpt2_fused.core.optim import adamw_parts, build_optimizer, clipped_step, load_optimizer_state
 
@@ -44,12 +44,28 @@ from gpt2_fused.core.optim import adamw_parts, build_optimizer, clipped_step, lo
 def mode(cfg, procs):
     """The run's sharding mode (one of the classes below, by cfg.shard, which TrainConfig has
     checked); ConfigError for a combination that does not run with these processes."""
-    if procs.ddp and uses_cuda_graphs(cfg.compile_mode):
+    if procs.ddp and uses_cuda_graphs(cfg.compile_mode) and not graphs_fit(cfg):
         raise ConfigError(
-            f"compile_mode={cfg.compile_mode!r} under torchrun: CUDA graphs with DDP's and "
-            "FSDP2's gradient buckets are not supported here; pass --compile_mode=default"
+            f"compile_mode={cfg.compile_mode!r} under torchrun: CUDA graphs cannot hold the "
+            "all-reduces that DDP's buckets and FSDP2 run in the backward; pass "
+            "--compile_mode=default, or (not with shard='full' or ddp_compile='ddp') "
+            "--grad_sync=step"
         )
     return {"none": DataParallel, "optimizer": ZeRO1, "full": FSDP2}[cfg.shard](cfg, procs)
+
+
+def graphs_fit(cfg):
+    """Whether the step can run as CUDA graphs under torchrun: only with the grads summed once
+    after the backward (grad_sync "step", which "auto" becomes under graphs), not in DDP's
+    buckets or FSDP2's reduce-scatters during it."""
+    return cfg.shard != "full" and cfg.ddp_compile != "ddp" and cfg.grad_sync != "ddp"
+
+
+def sums_at_step(cfg, procs, graphs):
+    """Whether this run sums the ranks' grads once a step (DataParallel.sync_at_step) rather
+    than through DDP: grad_sync "step", or "auto" with the step as CUDA graphs, under torchrun."""
+    auto = cfg.grad_sync == "auto" and graphs and graphs_fit(cfg)
+    return procs.ddp and (cfg.grad_sync == "step" or auto)
 
 
 class DataParallel:
@@ -61,22 +77,42 @@ class DataParallel:
     samples = True  # generate() can read the weights between steps
     fully_sharded = False  # parameters are DTensor shards (fp8's float8 all-gather)
 
+    grads = None  # the flat gradient buffer that step() all-reduces (sync_at_step), or None
+
     def __init__(self, cfg, procs):
         self.notes = []  # for the start-up report
 
     def shard_model(self, raw_model):
         """Shard raw_model in place (before compile and DDP); nothing here."""
 
+    def sync_at_step(self, raw_model):
+        """Sum the ranks' grads once a step, after the last micro-step's backward, instead of
+        in DDP's buckets during each backward (grad_sync "step"): what lets the step run as
+        CUDA graphs under torchrun, at the cost of DDP's overlap of the all-reduce with the
+        backward. No DDP module then: rank 0's weights go to every rank, as DDP's wrap does,
+        and the grads become views into one flat buffer (keep_grads) that step() all-reduces."""
+        for t in itertools.chain(raw_model.parameters(), raw_model.buffers()):
+            dist.broadcast(t.detach(), src=0)
+        self.wraps_in_ddp = False
+        self.grads = keep_grads(raw_model)
+
     def make_optimizer(self, raw_model, cfg, device):
         return build_optimizer(raw_model, cfg, device)
 
     def micro_step(self, train_model, raw_model, sync):
         """The context of one micro-step's forward; sync: reduce the grads in this backward (the
-        last micro-step). DDP: no_sync() on the others."""
-        return contextlib.nullcontext() if sync else train_model.no_sync()
+        last micro-step). DDP: no_sync() on the others; nothing to do with the grads summed at
+        the step."""
+        if sync or self.grads is not None:
+            return contextlib.nullcontext()
+        return train_model.no_sync()
 
     def step(self, optimizer, raw_model, max_norm):
-        """Clip to max_norm by the global grad norm, update; returns that norm (device scalar)."""
+        """Clip to max_norm by the global grad norm, update; returns that norm (device scalar).
+        With sync_at_step's buffer, the ranks' mean grads first (as DDP's)."""
+        if self.grads is not None:
+            dist.all_reduce(self.grads)  # SUM, then / W: gloo has no AVG
+            self.grads.div_(dist.get_world_size())
         return clipped_step(optimizer, raw_model.parameters(), max_norm)
 
     def full_state(self, raw_model, optimizer, master):
