@@ -62,8 +62,7 @@ from model import GPT, IMPL_KEYS
 # what --resume reads from a checkpoint (save() writes these and more)
 RESUME_KEYS = ("model", "model_config", "optimizer", "step", "loader", "rng")
 
-# errors the user can fix: one line on the command line (gpt2_fused/core/errors.py; GPT2_DEBUG=1
-# for a traceback)
+# errors the user can fix: one line (gpt2_fused/core/errors.py; GPT2_DEBUG=1: a traceback)
 USER_ERRORS = {
     ConfigError: "config error",
     DataError: "data error",
@@ -91,8 +90,7 @@ class Run:
 
     @property
     def autocast(self):
-        # fp32 weights and optimizer state, bf16 matmuls under autocast
-        # (bench/RESULTS.md#precision)
+        # fp32 weights and optimizer state, bf16 matmuls (bench/RESULTS.md#precision)
         bf16 = self.dtype == torch.bfloat16
         return torch.autocast(self.procs.device.type, dtype=torch.bfloat16, enabled=bf16)
 
@@ -209,23 +207,20 @@ def sample_text(run, step):
 
 def compile_and_wrap(run, use_compile, grad_accum):
     """Set run.model, the (compiled) model that evaluates, and run.train_model, the one that
-    trains (in DDP under torchrun). ddp_compile="ddp" compiles the DDP module: one module for
-    both. Under FSDP2 raw_model is sharded already (run.shard.shard_model): no DDP. Under CUDA
-    graphs with several micro-batches a step, the grads get buffers of their own (keep_grads);
-    with one, each step's grads are the backward graph's outputs, set to None before the next
-    replay: no add into buffers, no zeroing (RESULTS.md#cuda-graphs). Under torchrun with the
-    grads summed once a step (grad_sync "step", "auto" under graphs), they are kept always, in
-    the flat buffer that the step all-reduces, and there is no DDP module."""
+    trains (in DDP under torchrun; ddp_compile="ddp" compiles the DDP module, one module for
+    both; FSDP2 has sharded raw_model already: no DDP). The grads get a flat buffer of their own
+    (keep_grads) under CUDA graphs with several micro-batches a step, and under torchrun when
+    the step sums them (grad_sync; no DDP then); under graphs with one micro-batch, each step's
+    grads are the backward graph's outputs, set to None before the next (RESULTS.md#cuda-graphs)."""
     cfg, procs, raw_model = run.cfg, run.procs, run.raw_model
     compiled = functools.partial(torch.compile, mode=cfg.compile_mode)
     graphs = use_compile and uses_cuda_graphs(cfg.compile_mode)
-    if sharding.sums_at_step(cfg, procs, graphs):
-        run.shard.sync_at_step(raw_model)
-        run.keep_grads = True
-    else:
-        run.keep_grads = graphs and grad_accum > 1
-        if run.keep_grads:
-            keep_grads(raw_model)
+    at_step = sharding.sums_at_step(cfg, procs, graphs)
+    run.keep_grads = at_step or (graphs and grad_accum > 1)
+    if at_step:
+        run.shard.sync_at_step(raw_model)  # keeps the grads itself
+    elif run.keep_grads:
+        keep_grads(raw_model)
     # gradients as views into DDP's all-reduce buckets: one copy of them, not two
     wrap = functools.partial(
         DDP,
@@ -273,10 +268,7 @@ def train_step(run, step, grad_accum, stop, check):
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     norm = run.shard.step(optimizer, run.raw_model, max_norm)
     fp8.after_optimizer_step(run.raw_model, cfg.fp8, run.shard.fully_sharded)
-    if run.shard.grads is not None:  # the flat buffer of every grad: one kernel
-        run.shard.grads.zero_()
-    else:
-        optimizer.zero_grad(set_to_none=not run.keep_grads)
+    run.shard.zero_grad(optimizer, run.keep_grads)
     # torch.full, not torch.tensor: a host-to-device copy of a Python number would sync
     stats = torch.stack([loss_sum, torch.full((), float(stop.requested), device=device)])
     if ddp:
@@ -325,7 +317,7 @@ def main(argv=None, train_loader=DataLoader):
     compile_settings = contextlib.ExitStack()  # Inductor's global settings, for this run only
     try:
         shard = sharding.mode(cfg, procs)  # a combination that does not run stops here
-        notes = list(shard.notes)
+        notes = shard.notes  # the start-up report's (shard.sync_at_step adds to it too)
         T = cfg.model.block_size
         try:  # the GPU, torch and torchao can run FP8 GEMMs (nothing for fp8="off")
             fp8.check(cfg.fp8, device)
@@ -352,14 +344,7 @@ def main(argv=None, train_loader=DataLoader):
         cfg.compile_mode = pick_mode(cfg.compile_mode, device, bucketed, per_layer)  # "auto"
         if cfg.fp8 != "off":  # before sharding, compile and DDP wrap the Linears
             n = len(fp8.convert(raw_model, cfg.fp8, shard.fully_sharded))
-            how = "our kernels' casts" if cfg.fp8 == "fused" else "torchao"
-            notes.append(f"fp8 {cfg.fp8}: {n} block Linears on FP8 GEMMs ({how}), lm_head bf16")
-            if cfg.fp8 == "fused" and fp8.transposes_split(device):
-                notes.append(  # Triton's bundled ptxas (bench/RESULTS.md#fp8-fused-casts)
-                    "fp8 fused: the transposed FP8 copies by passes of their own, as this ptxas "
-                    "miscompiles them in the casting kernels: a CUDA 13 ptxas in "
-                    "TRITON_PTXAS_PATH saves those passes"
-                )
+            notes += fp8.notes(cfg.fp8, n, device)
         shard.shard_model(raw_model)  # FSDP2 under shard="full", in place
         optimizer = shard.make_optimizer(raw_model, cfg, device)
         run = Run(cfg, procs, raw_model, optimizer, loader, val_glob, dtype, print0, shard)
@@ -389,8 +374,6 @@ def main(argv=None, train_loader=DataLoader):
         if use_compile:  # compilation is lazy (first step, first eval): patched until the end
             compile_settings.enter_context(compiler_settings(cfg))
         compile_and_wrap(run, use_compile, grad_accum)
-        if run.shard.grads is not None:
-            notes.append("grads summed across ranks once a step, after the backward (grad_sync)")
 
         tokens_per_step = cfg.batch_size * T * world_size * grad_accum
         flops_per_step = raw_model.flops_per_token() * tokens_per_step

@@ -246,6 +246,17 @@ def _tiny_fused_step(device):
     torch.cuda.synchronize(device)
 
 
+def notes(recipe, n, device):
+    """train.py's start-up notes on a model whose n block Linears convert() converted."""
+    how = "our kernels' casts" if recipe == "fused" else "torchao"
+    out = [f"fp8 {recipe}: {n} block Linears on FP8 GEMMs ({how}), lm_head bf16"]
+    if recipe == "fused" and transposes_split(device):  # bench/RESULTS.md#fp8-fused-casts
+        out.append("fp8 fused: the transposed FP8 copies by passes of their own, as this ptxas "
+                   "miscompiles them in the casting kernels: a CUDA 13 ptxas in "
+                   "TRITON_PTXAS_PATH saves those passes")  # fmt: skip
+    return out
+
+
 def transposes_split(device):
     """Whether act_fp8 makes its transposed FP8 copies by transpose_fp8 after the kernel, as
     this GPU's compiled kernel gets them wrong (Triton's bundled ptxas on an H200), rather than

@@ -95,6 +95,7 @@ class DataParallel:
             dist.broadcast(t.detach(), src=0)
         self.wraps_in_ddp = False
         self.grads = keep_grads(raw_model)
+        self.notes.append("grads summed across ranks once a step, after the backward (grad_sync)")
 
     def make_optimizer(self, raw_model, cfg, device):
         return build_optimizer(raw_model, cfg, device)
@@ -114,6 +115,14 @@ class DataParallel:
             dist.all_reduce(self.grads)  # SUM, then / W: gloo has no AVG
             self.grads.div_(dist.get_world_size())
         return clipped_step(optimizer, raw_model.parameters(), max_norm)
+
+    def zero_grad(self, optimizer, keep):
+        """After the update: the grads zeroed in place (kept: keep_grads) or set to None; the
+        flat buffer of sync_at_step in one kernel."""
+        if self.grads is not None:
+            self.grads.zero_()
+        else:
+            optimizer.zero_grad(set_to_none=not keep)
 
     def full_state(self, raw_model, optimizer, master):
         """(model state dict, optimizer state dict) as a single process has them, on rank 0;
