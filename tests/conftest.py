@@ -80,3 +80,11 @@ def read_log(out_dir):
         assert rec["step"] not in d, f"step {rec['step']} was logged twice"
         d[rec["step"]] = rec.get("val_loss", rec.get("loss"))
     return losses, vals
+
+
+def read_norms(out_dir):
+    """{step: grad norm before clipping} from out_dir/log.jsonl: the one logged figure that
+    shows grads off by a constant factor (the clip and AdamW's scale-invariance hide it from the
+    losses)."""
+    recs = read_jsonl(os.path.join(out_dir, "log.jsonl"))
+    return {r["step"]: r["grad_norm"] for r in recs if "grad_norm" in r}

@@ -271,10 +271,10 @@ def test_clipped_step_matches_clip_then_adamw(device, fused, grad_size, max_norm
     assert moved > 1e-3  # the steps did something
 
 
-def test_auto_compile_mode_takes_cuda_graphs_for_small_micro_batches_on_one_gpu():
-    """ "auto": CUDA graphs for a single process on a GPU whose micro-batch leaves the host
-    pacing the step (124M at 8 and 16, not at 32 or 1558M at 16); under torchrun and on a CPU the
-    default mode; a mode the user names is kept."""
+def test_auto_compile_mode_takes_cuda_graphs_for_small_micro_batches_on_a_gpu():
+    """ "auto": CUDA graphs on a GPU whose micro-batch leaves the host pacing the step (124M at
+    8 and 16, not at 32 or 1558M at 16); the default mode where DDP's buckets or FSDP2 sum the
+    grads under torchrun (bucketed), and on a CPU; a mode the user names is kept."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
     def per_layer(preset, batch):  # as train.py computes it

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train
-from conftest import read_log
+from conftest import read_log, read_norms
 from data.loader import DataLoader
 from data.shards import write_shard
 from gpt2_fused.core import checkpoint, compile_guard
@@ -46,10 +46,13 @@ def test_ddp_matches_single_process_accumulation(tiny_args, tmp_path, options):
     assert "grad_accum 1 = 256" in out and "x 2 processes | float32" in out
     assert out.count("config:") == 1  # rank 0 alone prints (and writes)
     assert "Traceback" not in out
+    assert ("grads summed across ranks once a step" in out) == ("--grad_sync=step" in options)
 
     a, a_val = read_log(single)
     b, b_val = read_log(multi)
     assert sorted(b) == list(range(6)) and sorted(b_val) == [0, 3, 6]
+    norms = read_norms(single)
+    assert read_norms(multi) == pytest.approx(norms, rel=1e-5) and len(norms) == 6
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
     for step in a_val:
@@ -117,6 +120,8 @@ def test_grads_summed_once_a_step_train_as_ddp_and_one_process_do(tiny_args, tmp
     a, a_val = read_log(single)
     b, b_val = read_log(multi)
     assert sorted(b) == list(range(4)) and sorted(b_val) == [0, 2, 4]
+    norms = read_norms(single)  # the mean of the ranks' grads, not their sum
+    assert read_norms(multi) == pytest.approx(norms, rel=1e-5) and len(norms) == 4
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
     for step in a_val:
@@ -136,17 +141,21 @@ def test_grads_summed_once_a_step_train_as_ddp_and_one_process_do(tiny_args, tmp
     assert res.returncode == 0, res.stdout + res.stderr
     c, c_val = read_log(multi)
     assert sorted(c) == list(range(4)) and sorted(c_val) == [0, 2, 4]
+    assert read_norms(multi) == pytest.approx(norms, rel=1e-5)
     for step in a:
         assert c[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    for step in a_val:
+        assert c_val[step] == pytest.approx(a_val[step], rel=1e-5, abs=1e-6), step
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_torchrun_runs_cuda_graphs_with_evals_samples_and_resume(tiny_args, tmp_path):
     """Under torchrun (1 process, NCCL) compile_mode=auto records CUDA graphs at this size and
-    the grads are summed once a step (grad_sync auto): two micro-steps a step, evaluations, a
-    sample and checkpoints, then a resume; the losses are those of the same run in one process
-    without torchrun (which keeps its grads the same way, with no all-reduce)."""
+    the grads are summed once a step (grad_sync auto): four micro-steps a step, evaluations, a
+    sample and checkpoints, then a resume; the losses and grad norms are those of the same run
+    in one process without torchrun (which keeps its grads the same way, with no all-reduce;
+    that kept grads stay views of the flat buffer under graphs is tests/test_train.py's)."""
     args = [a for a in tiny_args if not a.startswith(("--device", "--dtype", "--compile"))]
     args += ["--device=cuda", "--dtype=auto", "--total_batch_size=512"]
     args += ["--eval_interval=2", "--sample_interval=3", "--ckpt_interval=3"]
@@ -165,6 +174,7 @@ def test_gpu_torchrun_runs_cuda_graphs_with_evals_samples_and_resume(tiny_args, 
     assert sorted(b) == list(range(6)) and sorted(b_val) == [0, 2, 4, 6]
     for step in a:  # bf16 and atomics: the same run twice is not bit-identical
         assert b[step] == pytest.approx(a[step], rel=2e-3), step
+    assert read_norms(multi) == pytest.approx(read_norms(single), rel=2e-2)
     cmd[-1] = "--max_steps=8"
     res = subprocess.run([*cmd, f"--out_dir={multi}", "--resume"], cwd=REPO, capture_output=True,
                          text=True, timeout=600, check=False)  # fmt: skip

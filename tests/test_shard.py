@@ -20,7 +20,7 @@ import torch
 
 import sample
 import train
-from conftest import TINY, read_log
+from conftest import TINY, read_log, read_norms
 from gpt2_fused.core import sharding
 from gpt2_fused.core.config import ConfigError, TrainConfig
 from gpt2_fused.core.distributed import Processes
@@ -107,6 +107,7 @@ def test_zero1_with_grads_summed_once_a_step_equals_ddp(runs, tiny_data, tmp_pat
     ref, ref_val = read_log(runs["none", 2][0])
     got, got_val = read_log(tmp_path)
     assert sorted(got) == list(range(STEPS)) and sorted(got_val) == [0, 10, 20]
+    assert read_norms(tmp_path) == pytest.approx(read_norms(runs["none", 2][0]), rel=1e-5)
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
     for step in ref_val:

@@ -717,19 +717,22 @@ def small_cuda_model_and_batches(n):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_graphs_accumulate_gradients_as_eager_mode_does():
     """Three micro-batches through the model compiled with CUDA graphs, grads kept as train.py
-    keeps them (compile_guard.keep_grads): their sum is eager mode's, at the warm-up, recording
-    and replaying calls alike. Without kept grads the second micro-batch's replay overwrites the
-    first one's (pytorch/pytorch#169545)."""
+    keeps them (compile_guard.keep_grads: views of one flat buffer, and they stay so): their sum
+    is eager mode's, at the warm-up, recording and replaying calls alike. Without kept grads the
+    second micro-batch's replay overwrites the first one's (pytorch/pytorch#169545)."""
     model, batches = small_cuda_model_and_batches(3)
 
     def grads(fn, keep):
         model.zero_grad(set_to_none=True)
         if keep:
-            compile_guard.keep_grads(model)
+            flat = compile_guard.keep_grads(model)
         for b in batches:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = fn(b[:, :-1], b[:, 1:]) / len(batches)
             loss.backward()
+        if keep:  # still views of the one buffer that a step under torchrun all-reduces
+            lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+            assert all(lo <= p.grad.data_ptr() < hi for p in model.parameters())
         return [p.grad.clone() for p in model.parameters()]
 
     ref = grads(model, keep=False)

@@ -101,10 +101,10 @@ class TrainConfig:
     # "model": compile, then wrap in DDP (nanoGPT); "ddp": compile the DDP module, so Dynamo
     # splits the graph at gradient buckets and each all-reduce overlaps the backward
     ddp_compile: str = setting("model", '"model" or "ddp": which of DDP and compile wraps')
-    # under torchrun, how the ranks' grads are summed: "ddp" in DDP's buckets, each all-reduce
-    # overlapping the backward; "step" in one all-reduce of a flat buffer after the step's last
-    # backward, which CUDA graphs allow (sharding.py); "auto": "step" when the step runs as
-    # CUDA graphs, else "ddp"
+    # under torchrun, how the ranks' grads are summed: "ddp" in DDP's buckets (after the compiled
+    # backward, or overlapping it with ddp_compile="ddp"); "step" by one all-reduce of a flat
+    # buffer after the step's last backward, which CUDA graphs allow (sharding.py); "auto":
+    # "step" when the step runs as CUDA graphs, else "ddp"
     grad_sync: str = setting("auto", '"auto", "ddp" or "step": how ranks sum their grads')
     # under torchrun (sharding.py): "optimizer" is ZeRO-1, "full" is FSDP2 over the blocks
     shard: str = setting("none", '"none" (DDP), "optimizer" (AdamW state) or "full" (FSDP2)')

@@ -87,10 +87,11 @@ class DataParallel:
 
     def sync_at_step(self, raw_model):
         """Sum the ranks' grads once a step, after the last micro-step's backward, instead of
-        in DDP's buckets during each backward (grad_sync "step"): what lets the step run as
-        CUDA graphs under torchrun, at the cost of DDP's overlap of the all-reduce with the
-        backward. No DDP module then: rank 0's weights go to every rank, as DDP's wrap does,
-        and the grads become views into one flat buffer (keep_grads) that step() all-reduces."""
+        in DDP's buckets (grad_sync "step"): what lets the step run as CUDA graphs under
+        torchrun. The default DDP (ddp_compile="model") does not overlap its all-reduce with
+        the compiled backward either (bench/RESULTS.md#ddp-compile-order). No DDP module then:
+        rank 0's weights go to every rank, as DDP's wrap does, and the grads become views into
+        one flat buffer (keep_grads) that step() all-reduces."""
         for t in itertools.chain(raw_model.parameters(), raw_model.buffers()):
             dist.broadcast(t.detach(), src=0)
         self.wraps_in_ddp = False
@@ -112,8 +113,11 @@ class DataParallel:
         """Clip to max_norm by the global grad norm, update; returns that norm (device scalar).
         With sync_at_step's buffer, the ranks' mean grads first (as DDP's)."""
         if self.grads is not None:
-            dist.all_reduce(self.grads)  # SUM, then / W: gloo has no AVG
-            self.grads.div_(dist.get_world_size())
+            if dist.get_backend() == "nccl":
+                dist.all_reduce(self.grads, op=dist.ReduceOp.AVG)
+            else:  # gloo has no AVG
+                dist.all_reduce(self.grads)
+                self.grads.div_(dist.get_world_size())
         return clipped_step(optimizer, raw_model.parameters(), max_norm)
 
     def zero_grad(self, optimizer, keep):
