@@ -80,9 +80,9 @@ def test_kernel_transposes_right_is_false_where_the_kernels_copy_is_wrong(mode, 
     assert torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t())
 
 
-@pytest.mark.parametrize("how", [0, 1, 2])
+@pytest.mark.parametrize("how", [0, 2])
 def test_every_way_of_storing_the_transpose_stores_q_transposed(how):
-    """store_transposed's ways (tl.trans, transposed addresses, read back after a barrier), in
+    """store_transposed's ways (tl.trans, read back after a barrier, then tl.trans), in
     the kernel (split=False), at a shape that leaves partial tiles, with a delayed scale."""
     h, grad = pair(70, 100, seed=6)
     state = Fp8State(DEV, ["t"])

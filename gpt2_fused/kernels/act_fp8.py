@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from gpt2_fused.kernels import fp8_scale
-from gpt2_fused.kernels.fp8_scale import FP8_MAX, recast_scale, scale_and_amax
+from gpt2_fused.kernels.fp8_scale import FP8_MAX, scale_and_amax
 from gpt2_fused.kernels.interpreter import to_dtype
 
 MODES = ("gelu", "dgelu", "copy")
@@ -40,27 +40,22 @@ MODES = ("gelu", "dgelu", "copy")
 @triton.jit
 def store_transposed(qt_ptr, bits, rows, cols, M, N, HOW: tl.constexpr, q_ptr):
     """Store the tile `bits` (uint8, the FP8 bytes of rows x cols) into qt (N, M) transposed.
-    HOW 0: tl.trans of the bytes; HOW 1: the tile stored to transposed addresses, the layout
-    conversion left to the compiler. Either way the compiler moves 8-bit values through shared
-    memory, which ptxas 12.x (bundled with Triton 3.6-3.8) miscompiles in some kernels, the
-    GELU gradient's among them (triton-lang/triton#11111; bench/RESULTS.md#fp8-fused-casts):
-    act_fp8 then splits the copy off (kernel_transposes_right). HOW 2: the tile read back
-    from q (M, N), where this program has just stored it, after a barrier (a volatile load: no
-    forwarding from registers), then transposed as HOW 0 does: the shape of transpose_fp8's
-    kernel, which that ptxas gets right, with the tile still in L2."""
+    HOW 0: tl.trans of the bytes in registers, which the compiler moves through shared memory;
+    ptxas 12.x (bundled with Triton 3.6-3.8) miscompiles that in some kernels, the GELU
+    gradient's among them (triton-lang/triton#11111; bench/RESULTS.md#fp8-fused-casts). HOW 2:
+    the tile read back from q (M, N), where this program has just stored it, after a barrier (a
+    volatile load: no forwarding from registers), then transposed as HOW 0 does: the shape of
+    transpose_fp8's kernel, which that ptxas gets right, with the tile still in L2, at no
+    measured cost (bench/RESULTS.md#fp8-fused-on-main). Storing to transposed addresses instead
+    was slower and as wrong."""
     if HOW == 2:
         tl.debug_barrier()  # the block's stores to q are visible to all its threads after it
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
         mask = (rows < M)[:, None] & (cols < N)[None, :]
         bits = tl.load(q_ptr + offs, mask=mask, other=0, volatile=True)
-    if HOW != 1:
-        offs = cols.to(tl.int64)[:, None] * M + rows[None, :]
-        mask = (cols < N)[:, None] & (rows < M)[None, :]
-        tl.store(qt_ptr + offs, tl.trans(bits), mask=mask)
-    else:
-        offs = rows.to(tl.int64)[:, None] + cols.to(tl.int64)[None, :] * M
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        tl.store(qt_ptr + offs, bits, mask=mask)
+    offs = cols.to(tl.int64)[:, None] * M + rows[None, :]
+    mask = (cols < N)[:, None] & (rows < M)[None, :]
+    tl.store(qt_ptr + offs, tl.trans(bits), mask=mask)
 
 
 @triton.jit
@@ -116,7 +111,6 @@ def act_fp8_kernel(
     HOW: tl.constexpr,  # store_transposed's
     SUMS: tl.constexpr,
     DELAYED: tl.constexpr,  # the scale from the slots
-    RECAST: tl.constexpr,  # DELAYED's checking launch: the tile again only after an overflow
     BM: tl.constexpr,
     BN: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -126,22 +120,15 @@ def act_fp8_kernel(
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
-    if RECAST:  # fp8_scale.py: amax and sums stand as the first launch left them
-        over, scale = recast_scale(slots_ptr, k3, inv_ptr, first, FP8_MAX)
-        if over:
-            out = act_out(g_ptr, h_ptr, offs, mask, MODE)
-            store_fp8(q_ptr, qt_ptr, out, scale, rows, cols, mask, offs, M, N, FP8_MAX, E5M2,
-                      TRANSPOSED, HOW, INTERPRETED)  # fmt: skip
-    else:
-        out = act_out(g_ptr, h_ptr, offs, mask, MODE)
-        scale, amax_ptr = scale_and_amax(scale_ptr, amax_ptr, slots_ptr, k3, inv_ptr, first,
-                                         FP8_MAX, DELAYED)  # fmt: skip
-        store_fp8(q_ptr, qt_ptr, out, scale, rows, cols, mask, offs, M, N, FP8_MAX, E5M2,
-                  TRANSPOSED, HOW, INTERPRETED)  # fmt: skip
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(out), axis=1), axis=0))
-        if SUMS:  # a bias gradient from the unrounded values, in a fixed order (no atomics)
-            tl.store(sums_ptr + tl.program_id(0).to(tl.int64) * N + cols, tl.sum(out, axis=0),
-                     mask=cols < N)  # fmt: skip
+    out = act_out(g_ptr, h_ptr, offs, mask, MODE)
+    scale, amax_ptr = scale_and_amax(scale_ptr, amax_ptr, slots_ptr, k3, inv_ptr, first,
+                                     FP8_MAX, DELAYED)  # fmt: skip
+    store_fp8(q_ptr, qt_ptr, out, scale, rows, cols, mask, offs, M, N, FP8_MAX, E5M2,
+              TRANSPOSED, HOW, INTERPRETED)  # fmt: skip
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(out), axis=1), axis=0))
+    if SUMS:  # a bias gradient from the unrounded values, in a fixed order (no atomics)
+        tl.store(sums_ptr + tl.program_id(0).to(tl.int64) * N + cols, tl.sum(out, axis=0),
+                 mask=cols < N)  # fmt: skip
 
 
 def act_fp8(mode, scale=None, amax=None, *, h=None, g=None, fp8=torch.float8_e4m3fn,
@@ -187,9 +174,7 @@ def act_fp8(mode, scale=None, amax=None, *, h=None, g=None, fp8=torch.float8_e4m
                 TRANSPOSED=in_kernel, HOW=how, SUMS=sums, DELAYED=delayed is not None, BM=BM,
                 BN=BN, INTERPRETED=a.device.type != "cuda", num_warps=4)  # fmt: skip
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-    act_fp8_kernel[grid](*args, RECAST=False, **meta)
-    if delayed is not None and fp8_scale.RECAST_ON_OVERFLOW:
-        act_fp8_kernel[grid](*args, RECAST=True, **meta)
+    act_fp8_kernel[grid](*args, **meta)
     if transposed and split:
         qt = transpose_fp8(q, block)
     out = q, (qt if transposed else None)

@@ -15,13 +15,9 @@ in turn, so that no slot is read and written by the same launch:
 
 Program 0 also writes 1 / scale, the descale torch._scaled_mm takes, into a fresh (1,) tensor.
 
-A delayed scale cannot see a tensor outgrow its last amax, and then the values above the range
-saturate. With RECAST_ON_OVERFLOW each casting kernel launches a second time with RECAST: every
-program reads this call's finished amax and, only where it exceeds what the scale covered
-(amax > 2^MARGIN amax_prev), casts its tile again with the scale of this call's own amax
-(recast_scale), program 0 rewriting 1 / scale; otherwise the launch ends at once. It is off by
-default: it costs about 1 % of a 124M step and changed none of the one-step loss spikes it was
-written for, which bf16 showed too (bench/RESULTS.md#fp8-fused-end-to-end).
+A delayed scale cannot see a tensor outgrow its last amax; the values above the range then
+saturate. A second launch that cast such a tensor again with its own amax changed no loss
+measured and cost about 1 % of a 124M step, so there is none (bench/RESULTS.md#fp8-fused-on-main).
 fp8_scale_reference is the same arithmetic in torch.
 """
 
@@ -35,9 +31,6 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MARGIN = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 4}  # 2^MARGIN above the last amax
 HEADROOM_E4M3 = tl.constexpr(2.0 ** MARGIN[torch.float8_e4m3fn])
 HEADROOM_E5M2 = tl.constexpr(2.0 ** MARGIN[torch.float8_e5m2])
-
-
-RECAST_ON_OVERFLOW = False  # the casting launchers' second, checking launch (module docstring)
 
 
 class Delayed(NamedTuple):
@@ -67,23 +60,6 @@ def scale_and_amax(scale_ptr, amax_ptr, slots_ptr, k3, inv_ptr, FIRST,
         return scale, slots_ptr + (k3 + 1) % 3
     else:
         return tl.load(scale_ptr), amax_ptr
-
-
-@triton.jit
-def recast_scale(slots_ptr, k3, inv_ptr, FIRST, FP8_MAX: tl.constexpr):
-    """(whether call k's first launch saturated, the scale to cast again with): it did when this
-    call's amax (slot k + 1) exceeds what its delayed scale covered; the scale is then this
-    amax's own, FP8_MAX / amax, which program 0 (FIRST) writes as 1 / scale."""
-    prev = tl.maximum(tl.load(slots_ptr + k3), 1e-30)
-    now = tl.maximum(tl.load(slots_ptr + (k3 + 1) % 3), 1e-30)
-    if FP8_MAX > 448.0:  # e5m2
-        over = now > prev * HEADROOM_E5M2
-    else:
-        over = now > prev * HEADROOM_E4M3
-    scale = FP8_MAX / now
-    if FIRST & over:
-        tl.store(inv_ptr, 1.0 / scale)
-    return over, scale
 
 
 def fp8_scale_reference(amax_prev, fp8):

@@ -33,8 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpt2_fused.kernels import fp8_scale
-from gpt2_fused.kernels.fp8_scale import recast_scale, scale_and_amax
+from gpt2_fused.kernels.fp8_scale import scale_and_amax
 from gpt2_fused.kernels.interpreter import to_dtype
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -64,7 +63,6 @@ def ln_fp8_kernel(
     STORE_Y: tl.constexpr,
     ROWWISE: tl.constexpr,
     DELAYED: tl.constexpr,  # tensorwise, the scale from the slots
-    RECAST: tl.constexpr,  # DELAYED's checking launch: y8 again only after an overflow
     INTERPRETED: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_D)
@@ -72,16 +70,13 @@ def ln_fp8_kernel(
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    go = True
-    if RECAST:  # fp8_scale.py: mean, rstd, y and amax stand as the first launch left them
-        go, scale = recast_scale(slots_ptr, k3, inv_ptr, tl.program_id(0) == 0, 448.0)
-    elif not ROWWISE:
+    if not ROWWISE:
         scale, amax_ptr = scale_and_amax(scale_ptr, amax_ptr, slots_ptr, k3, inv_ptr,
                                          tl.program_id(0) == 0, 448.0, DELAYED)  # fmt: skip
     seen = 0.0  # this program's max |y|
     for i in range(ROWS):
         row = tl.program_id(0) * ROWS + i
-        if go & (row < M):
+        if row < M:
             r64 = row.to(tl.int64)
             x = tl.load(x_ptr + r64 * stride_x + cols, mask=col_ok, other=0.0).to(tl.float32)
             mean = tl.sum(x, axis=0) / D
@@ -91,10 +86,9 @@ def ln_fp8_kernel(
             if HAS_BIAS:
                 y += b
             y = tl.where(col_ok, y, 0.0)
-            if not RECAST:
-                tl.store(mean_ptr + row, mean)
-                tl.store(rstd_ptr + row, rstd)
-            if STORE_Y and not RECAST:
+            tl.store(mean_ptr + row, mean)
+            tl.store(rstd_ptr + row, rstd)
+            if STORE_Y:
                 tl.store(y_ptr + r64 * D + cols, to_dtype(y, y_ptr.dtype.element_ty, INTERPRETED),
                          mask=col_ok)  # fmt: skip
             row_max = tl.max(tl.abs(y), axis=0)
@@ -106,7 +100,7 @@ def ln_fp8_kernel(
                 seen = tl.maximum(seen, row_max)
             y8 = tl.minimum(tl.maximum(y * s, -448.0), 448.0)  # saturate, as torchao does
             tl.store(y8_ptr + r64 * D + cols, to_dtype(y8, tl.float8e4nv, INTERPRETED), mask=col_ok)
-    if not ROWWISE and not RECAST:
+    if not ROWWISE:
         tl.atomic_max(amax_ptr, seen)  # amax >= 0: fp32 max by its bits is order-free
 
 
@@ -139,16 +133,13 @@ def ln_fp8(x, weight, bias, eps, *, scale=None, amax=None, delayed=None, store_y
         scale_out = scale if delayed is None else delayed.inv
         scale_arg = mean if delayed is not None else scale  # mean: unused
     d = delayed or (mean, 0, mean)  # unused unless delayed
-    args = (x2, weight, weight if bias is None else bias, y, y8, scale_arg,
-            mean if amax is None else amax, d[0], d[1], d[2], mean, rstd, M, D, x2.stride(0),
-            eps)  # fmt: skip
-    meta = dict(BLOCK_D=triton.next_power_of_2(D), ROWS=rows, HAS_BIAS=bias is not None,
-                STORE_Y=store_y, ROWWISE=rowwise, DELAYED=delayed is not None,
-                INTERPRETED=dev.type != "cuda", num_warps=4 if D <= 1024 else 8)  # fmt: skip
-    grid = (triton.cdiv(M, rows),)
-    ln_fp8_kernel[grid](*args, RECAST=False, **meta)
-    if delayed is not None and fp8_scale.RECAST_ON_OVERFLOW:
-        ln_fp8_kernel[grid](*args, RECAST=True, **meta)
+    ln_fp8_kernel[(triton.cdiv(M, rows),)](
+        x2, weight, weight if bias is None else bias, y, y8, scale_arg,
+        mean if amax is None else amax, d[0], d[1], d[2], mean, rstd, M, D, x2.stride(0), eps,
+        BLOCK_D=triton.next_power_of_2(D), ROWS=rows, HAS_BIAS=bias is not None,
+        STORE_Y=store_y, ROWWISE=rowwise, DELAYED=delayed is not None,
+        INTERPRETED=dev.type != "cuda", num_warps=4 if D <= 1024 else 8,
+    )  # fmt: skip
     shape = x.shape
     return (y.view(shape) if store_y else None), y8.view(shape), scale_out, mean, rstd
 
