@@ -47,8 +47,8 @@ class TrainConfig:
     # GPT-2 preset, and its other fields (n_layer, softcap, loss_impl, ...) override that
     model: GPTConfig = field(default_factory=small_model)
     adamw_impl: str = setting("fast", '"fast": one Triton launch (CUDA fp32); "torch": torch.optim')
-    # the blocks' Linears on FP8 tensor cores through torchao (gpt2_fused/core/fp8.py); lm_head
-    # stays bf16
+    # the blocks' Linears on FP8 tensor cores, through torchao or our kernels' casts
+    # (gpt2_fused/core/fp8.py); lm_head stays bf16
     fp8: str = setting("off", '"off", "tensorwise", "rowwise" (torchao) or "fused": FP8 GEMMs')
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
     batch_size: int = setting(8, "micro-batch size per process (sequences)")
