@@ -184,6 +184,42 @@ def test_gpu_torchrun_runs_cuda_graphs_with_evals_samples_and_resume(tiny_args, 
     assert sorted(b) == list(range(8)) and sorted(b_val) == [0, 2, 4, 6, 8]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("grad_sync", ["auto", "ddp"])
+def test_gpu_two_ranks_train_as_one_process_with_twice_the_accumulation(tiny_args, tmp_path,
+                                                                        grad_sync):  # fmt: skip
+    """torchrun with 2 processes on 2 GPUs (NCCL), with evaluations and a checkpoint: "auto"
+    records CUDA graphs and sums the grads once a step, "ddp" runs DDP without graphs. Both
+    follow one process with twice the accumulation (no process group at all), losses, grad
+    norms and final weights."""
+    args = [a for a in tiny_args if not a.startswith(("--device", "--dtype", "--compile"))]
+    args += ["--device=cuda", "--dtype=auto", "--total_batch_size=512", "--max_steps=6"]
+    args += ["--eval_interval=2", "--ckpt_interval=6", f"--grad_sync={grad_sync}"]
+    single, multi = tmp_path / "single", tmp_path / "torchrun"
+    train.main([*args, f"--out_dir={single}"])
+    res = subprocess.run([*torchrun_2(*args), f"--out_dir={multi}"], cwd=REPO, capture_output=True,
+                         text=True, timeout=600, check=False)  # fmt: skip
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "x 2 processes" in out and "Traceback" not in out
+    graphs = grad_sync == "auto"
+    assert ("compile reduce-overhead" in out) == graphs
+    assert ("grads summed across ranks once a step" in out) == graphs
+    a, a_val = read_log(single)
+    b, b_val = read_log(multi)
+    assert sorted(b) == list(range(6)) and sorted(b_val) == [0, 2, 4, 6]
+    for step in a:  # bf16 and atomics: the same run twice is not bit-identical
+        assert b[step] == pytest.approx(a[step], rel=2e-3), step
+    for step in a_val:
+        assert b_val[step] == pytest.approx(a_val[step], rel=2e-3), step
+    assert read_norms(multi) == pytest.approx(read_norms(single), rel=2e-2)
+    ref = torch.load(single / "ckpt_0000006.pt", weights_only=True)["model"]
+    got = torch.load(multi / "ckpt_0000006.pt", weights_only=True)["model"]
+    for k, v in ref.items():  # AdamW's first steps move every weight by ~lr, so relative norms
+        assert (got[k] - v).norm() <= 1e-2 * v.norm(), k
+
+
 def test_ddp_sigterm_to_torchrun_saves_then_resumes_on_one_process(tiny_args, tmp_path):
     """torchrun forwards SIGTERM to both workers; they agree on a step, rank 0 saves, both exit.
     The checkpoint then resumes in a single process (the data position carries over)."""
