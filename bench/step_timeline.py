@@ -41,8 +41,22 @@ def kind(name):
     return "other: " + name[:40]
 
 
+def step_window(events):
+    """(start, end) in µs of the profiled steps on the GPU: the profiler's ProfilerStep ranges
+    as the GPU ran them; None where the trace has none. Kernels queued by the step before the
+    window, or the host's next step, lie outside it and are not counted."""
+    marks = [e for e in events if e.get("cat") == "gpu_user_annotation"
+             and e.get("name", "").startswith("ProfilerStep")]  # fmt: skip
+    if not marks:
+        return None
+    return min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
+
+
 def summarise(events, steps):
     gpu = sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
+    window = step_window(events)
+    if window:
+        gpu = [e for e in gpu if window[0] <= e["ts"] < window[1]]
     if not gpu:
         return {"error": "no GPU events"}
     top = [e for e in events if e.get("cat") in ("cpu_op", "python_function", "user_annotation")]

@@ -295,3 +295,34 @@ def test_for_benchmarks_skips_checkpoints_and_steps_the_profiler(tmp_path, monke
     assert os.path.getsize(path) == 0
     rec = dict(step=3, loss=1.0, lr=1e-3, grad_norm=0.5, ms=10.0, tok_per_s=100.0)
     assert runlog.format_step(rec, 10).startswith("step      3/10") and calls == [1]
+
+
+def test_step_timeline_counts_only_the_profiled_steps_on_the_gpu():
+    """The summary's window is the profiler's step ranges as the GPU ran them: a kernel the step
+    before queued, or one of the next step, is not counted (they made every ms a step ~1.2x
+    too high). Busy time is the union of overlapping kernels; a gap is the idle time between."""
+    from bench.step_timeline import summarise
+
+    def ev(cat, name, ts, dur):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        ev("kernel", "before_window", 0, 50),
+        ev("gpu_user_annotation", "ProfilerStep#1", 100, 100),
+        ev("gpu_user_annotation", "ProfilerStep#2", 200, 100),
+        ev("kernel", "nvjet_gemm", 100, 60),
+        ev("kernel", "adamw_kernel", 140, 40),  # overlaps the GEMM: 20 µs of new busy time
+        ev("cpu_op", "aten::copy_", 150, 5),
+        ev("kernel", "cudnn_attn", 230, 70),  # 50 µs idle before it
+        ev("kernel", "after_window", 300, 500),
+    ]
+    res = summarise(events, steps=2)
+    assert res["span_ms_per_step"] == pytest.approx(0.2 / 2)  # 100 .. 300 µs
+    assert res["busy_ms_per_step"] == pytest.approx((80 + 70) / 2 / 1e3)
+    assert res["busy_fraction"] == pytest.approx(150 / 200)
+    assert res["kernels_per_step"] == 1.5
+    assert res["longest_gaps"][0] == {"us": 50.0, "after": "adamw_kernel", "before": "cudnn_attn",
+                                      "host": "aten::copy_"}  # fmt: skip
+    assert set(res["kind_ms_per_step"]) == {"cuBLAS GEMM", "AdamW", "cuDNN attention"}
+    unmarked = summarise([e for e in events if e["cat"] != "gpu_user_annotation"], 2)
+    assert unmarked["span_ms_per_step"] == pytest.approx(0.8 / 2)  # no ranges: the whole trace
