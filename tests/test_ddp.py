@@ -26,6 +26,21 @@ def torchrun_2(*args):
     return [*launcher, "train.py", *args]
 
 
+def assert_same_run(single, multi, steps, val_steps):
+    """The run in `multi` logged the train losses, validation losses and grad norms (the one
+    figure that shows grads off by a constant factor) of the run in `single`, at steps
+    0..steps-1 and val_steps, to fp32 summation order."""
+    a, a_val = read_log(single)
+    b, b_val = read_log(multi)
+    assert sorted(b) == list(range(steps)) and sorted(b_val) == val_steps
+    norms = read_norms(single)  # the mean of the ranks' grads, not their sum
+    assert read_norms(multi) == pytest.approx(norms, rel=1e-5) and len(norms) == steps
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    for step in a_val:
+        assert b_val[step] == pytest.approx(a_val[step], rel=1e-5, abs=1e-6), step
+
+
 @pytest.mark.parametrize(
     "options",
     [[], ["--softcap=30", "--z_loss=1e-3"], ["--grad_sync=step"]],
@@ -48,15 +63,7 @@ def test_ddp_matches_single_process_accumulation(tiny_args, tmp_path, options):
     assert "Traceback" not in out
     assert ("grads summed across ranks once a step" in out) == ("--grad_sync=step" in options)
 
-    a, a_val = read_log(single)
-    b, b_val = read_log(multi)
-    assert sorted(b) == list(range(6)) and sorted(b_val) == [0, 3, 6]
-    norms = read_norms(single)
-    assert read_norms(multi) == pytest.approx(norms, rel=1e-5) and len(norms) == 6
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
-    for step in a_val:
-        assert b_val[step] == pytest.approx(a_val[step], rel=1e-5, abs=1e-6), step
+    assert_same_run(single, multi, 6, [0, 3, 6])
     ckpt = torch.load(multi / "ckpt_0000006.pt", weights_only=True)
     assert len(ckpt["rng"]["torch"]) == 2  # each rank's RNG, for an exact resume
     ref = torch.load(single / "ckpt_0000006.pt", weights_only=True)
@@ -117,15 +124,7 @@ def test_grads_summed_once_a_step_train_as_ddp_and_one_process_do(tiny_args, tmp
     assert res.returncode == 0, out
     assert "grad_accum 2 = 512" in out and "grads summed across ranks once a step" in out
     assert "Traceback" not in out
-    a, a_val = read_log(single)
-    b, b_val = read_log(multi)
-    assert sorted(b) == list(range(4)) and sorted(b_val) == [0, 2, 4]
-    norms = read_norms(single)  # the mean of the ranks' grads, not their sum
-    assert read_norms(multi) == pytest.approx(norms, rel=1e-5) and len(norms) == 4
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
-    for step in a_val:
-        assert b_val[step] == pytest.approx(a_val[step], rel=1e-5, abs=1e-6), step
+    assert_same_run(single, multi, 4, [0, 2, 4])
     ref = torch.load(single / "ckpt_0000004.pt", weights_only=True)
     got = torch.load(multi / "ckpt_0000004.pt", weights_only=True)
     for k, v in ref["model"].items():
@@ -139,13 +138,7 @@ def test_grads_summed_once_a_step_train_as_ddp_and_one_process_do(tiny_args, tmp
     cmd = torchrun_2(*args, "--grad_sync=step", f"--out_dir={multi}", "--resume")
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
-    c, c_val = read_log(multi)
-    assert sorted(c) == list(range(4)) and sorted(c_val) == [0, 2, 4]
-    assert read_norms(multi) == pytest.approx(norms, rel=1e-5)
-    for step in a:
-        assert c[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
-    for step in a_val:
-        assert c_val[step] == pytest.approx(a_val[step], rel=1e-5, abs=1e-6), step
+    assert_same_run(single, multi, 4, [0, 2, 4])
 
 
 @pytest.mark.gpu
