@@ -39,7 +39,6 @@ from gpt2_fused.core.compile_guard import (
     check_training_step,
     compiled_loss_mismatch,
     compiler_settings,
-    keep_grads,
     pick_mode,
     uses_cuda_graphs,
 )
@@ -86,7 +85,6 @@ class Run:
     shard: sharding.DataParallel  # the sharding mode's object: DDP, ZeRO-1 or FSDP2
     model: torch.nn.Module = None  # evaluates: compiled, or raw_model once a compiled graph failed
     train_model: torch.nn.Module = None  # model, in DDP under torchrun
-    keep_grads: bool = False  # grads zeroed, not freed, after a step (under CUDA graphs)
 
     @property
     def autocast(self):
@@ -209,18 +207,17 @@ def compile_and_wrap(run, use_compile, grad_accum):
     """Set run.model, the (compiled) model that evaluates, and run.train_model, the one that
     trains (in DDP under torchrun; ddp_compile="ddp" compiles the DDP module, one module for
     both; FSDP2 has sharded raw_model already: no DDP). The grads get a flat buffer of their own
-    (keep_grads) under CUDA graphs with several micro-batches a step, and under torchrun when
-    the step sums them (grad_sync; no DDP then); under graphs with one micro-batch, each step's
-    grads are the backward graph's outputs, set to None before the next (RESULTS.md#cuda-graphs)."""
+    (shard.keep_grads) under CUDA graphs with several micro-batches a step, and under torchrun
+    when the step sums them (grad_sync; no DDP then); under graphs with one micro-batch, each
+    step's grads are the backward graph's outputs, set to None before the next
+    (RESULTS.md#cuda-graphs)."""
     cfg, procs, raw_model = run.cfg, run.procs, run.raw_model
     compiled = functools.partial(torch.compile, mode=cfg.compile_mode)
     graphs = use_compile and uses_cuda_graphs(cfg.compile_mode)
-    at_step = sharding.sums_at_step(cfg, procs, graphs)
-    run.keep_grads = at_step or (graphs and grad_accum > 1)
-    if at_step:
-        run.shard.sync_at_step(raw_model)  # keeps the grads itself
-    elif run.keep_grads:
-        keep_grads(raw_model)
+    if sharding.sums_at_step(cfg, procs, graphs):
+        run.shard.sync_at_step(raw_model, graphs)  # keeps the grads itself
+    elif graphs and grad_accum > 1:
+        run.shard.keep_grads(raw_model, graphs)
     # gradients as views into DDP's all-reduce buckets: one copy of them, not two
     wrap = functools.partial(
         DDP,
@@ -261,14 +258,14 @@ def train_step(run, step, grad_accum, stop, check):
             loss = run.train_model(x, y) / grad_accum
         if checking:
             first_loss = loss.detach() * grad_accum
-        loss.backward()
+        run.shard.backward(loss, first=micro == 0)
         loss_sum += loss.detach()
     if check:  # before the update: a wrong graph must not touch the weights
         check_training_step(first_loss, eager_loss, ddp, step)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     norm = run.shard.step(optimizer, run.raw_model, max_norm)
     fp8.after_optimizer_step(run.raw_model, cfg.fp8, run.shard.fully_sharded)
-    run.shard.zero_grad(optimizer, run.keep_grads)
+    run.shard.zero_grad(optimizer)
     # torch.full, not torch.tensor: a host-to-device copy of a Python number would sync
     stats = torch.stack([loss_sum, torch.full((), float(stop.requested), device=device)])
     if ddp:

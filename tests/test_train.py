@@ -704,6 +704,40 @@ def test_gpu_train_main_compiled_with_checks(tiny_args, tmp_path, capsys, mode):
     assert sorted(losses) == list(range(8)) and sorted(vals) == [0, 2, 4, 6, 8]
 
 
+@pytest.mark.parametrize("by_grad", [True, False], ids=["by_grad", "autograd_adds"])
+def test_kept_grads_sum_the_micro_batches_of_each_step(by_grad):
+    """compile_guard.KeptGrads: over two steps of three micro-batches each, the kept grads are
+    the sum of plain backward()s from zero (by_grad: autograd.grad's outputs copied in by the
+    first micro-batch, added by the others; else autograd's own adds, zeroed after the step),
+    views of one flat buffer at 16-byte addresses; a parameter the loss does not reach keeps a
+    zero grad."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.GELU(), torch.nn.Linear(5, 3))
+    unused = torch.nn.Parameter(torch.randn(7))  # an odd size: the next slot starts 16-B aligned
+    model.register_parameter("unused", unused)
+    batches = [torch.randn(4, 6) for _ in range(6)]
+
+    def reference(step):
+        model.zero_grad(set_to_none=True)
+        for b in batches[3 * step : 3 * step + 3]:
+            model(b).square().mean().backward()
+        return [p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                for p in model.parameters()]  # fmt: skip
+
+    refs = [reference(0), reference(1)]
+    kept = compile_guard.KeptGrads(model, by_grad=by_grad)
+    flat = kept.flat
+    for step in range(2):
+        for i, b in enumerate(batches[3 * step : 3 * step + 3]):
+            kept.backward(model(b).square().mean(), first=i == 0)
+        for p, r in zip(model.parameters(), refs[step], strict=True):
+            torch.testing.assert_close(p.grad, r, rtol=1e-6, atol=1e-7)
+            assert p.grad.data_ptr() % 16 == 0
+            assert flat.data_ptr() <= p.grad.data_ptr() < flat.data_ptr() + flat.nbytes
+        kept.zero()
+    assert not unused.grad.any()
+
+
 def small_cuda_model_and_batches(n):
     """A 2-layer GPT on the GPU (seed 0) and n batches of 4 x 65 tokens (inputs and targets)."""
     torch.manual_seed(0)
@@ -717,28 +751,35 @@ def small_cuda_model_and_batches(n):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_graphs_accumulate_gradients_as_eager_mode_does():
     """Three micro-batches through the model compiled with CUDA graphs, grads kept as train.py
-    keeps them (compile_guard.keep_grads: views of one flat buffer, and they stay so): their sum
-    is eager mode's, at the warm-up, recording and replaying calls alike. Without kept grads the
-    second micro-batch's replay overwrites the first one's (pytorch/pytorch#169545)."""
+    keeps them there (compile_guard.KeptGrads, by_grad: autograd.grad's outputs copied, then
+    added, into views of one flat buffer, which they stay): their sum is eager mode's, at the
+    warm-up, recording and replaying calls alike, and a second step's replaces the first's.
+    Without kept grads the second micro-batch's replay overwrites the first one's
+    (pytorch/pytorch#169545)."""
     model, batches = small_cuda_model_and_batches(3)
 
-    def grads(fn, keep):
-        model.zero_grad(set_to_none=True)
-        if keep:
-            flat = compile_guard.keep_grads(model)
-        for b in batches:
+    def grads(fn, kept):
+        if not kept:
+            model.zero_grad(set_to_none=True)
+        for i, b in enumerate(batches):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = fn(b[:, :-1], b[:, 1:]) / len(batches)
-            loss.backward()
-        if keep:  # still views of the one buffer that a step under torchrun all-reduces
+            if kept:
+                kept.backward(loss, first=i == 0)
+            else:
+                loss.backward()
+        if kept:  # still views of the one buffer that a step under torchrun all-reduces
+            flat = kept.flat
             lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
             assert all(lo <= p.grad.data_ptr() < hi for p in model.parameters())
         return [p.grad.clone() for p in model.parameters()]
 
-    ref = grads(model, keep=False)
+    ref = grads(model, None)
     compiled = torch.compile(model, mode="reduce-overhead")
-    for _ in range(3):  # warm-up, recording, replay
-        got = grads(compiled, keep=True)
+    kept = compile_guard.KeptGrads(model, by_grad=True)
+    for _ in range(3):  # warm-up, recording, replay; each step starts from the last one's grads
+        got = grads(compiled, kept)
+        kept.zero()  # as train.py's step: by_grad, nothing (the first micro-batch overwrites)
         for g, r in zip(got, ref, strict=True):  # bf16 noise: ~1e-2 relative at most
             assert torch.linalg.vector_norm(g - r) <= 0.03 * torch.linalg.vector_norm(r)
 

@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from gpt2_fused.core.compile_guard import keep_grads, uses_cuda_graphs
+from gpt2_fused.core.compile_guard import KeptGrads, uses_cuda_graphs
 from gpt2_fused.core.config import ConfigError
 from gpt2_fused.core.optim import adamw_parts, build_optimizer, clipped_step, load_optimizer_state
 
@@ -77,7 +77,8 @@ class DataParallel:
     samples = True  # generate() can read the weights between steps
     fully_sharded = False  # parameters are DTensor shards (fp8's float8 all-gather)
 
-    grads = None  # the flat gradient buffer that step() all-reduces (sync_at_step), or None
+    kept = None  # the grads' own buffer (compile_guard.KeptGrads: keep_grads), or None
+    summed = False  # the grads summed across ranks once a step, in step() (sync_at_step)
 
     def __init__(self, cfg, procs):
         self.notes = []  # for the start-up report
@@ -85,17 +86,22 @@ class DataParallel:
     def shard_model(self, raw_model):
         """Shard raw_model in place (before compile and DDP); nothing here."""
 
-    def sync_at_step(self, raw_model):
+    def keep_grads(self, raw_model, graphs):
+        """The grads in one flat buffer of their own, summed over the micro-batches there
+        (compile_guard.KeptGrads; graphs: the step runs as CUDA graphs)."""
+        self.kept = KeptGrads(raw_model, by_grad=graphs)
+
+    def sync_at_step(self, raw_model, graphs):
         """Sum the ranks' grads once a step, after the last micro-step's backward, instead of
         in DDP's buckets (grad_sync "step"): what lets the step run as CUDA graphs under
         torchrun. The default DDP (ddp_compile="model") does not overlap its all-reduce with
         the compiled backward either (bench/RESULTS.md#ddp-compile-order). No DDP module then:
-        rank 0's weights go to every rank, as DDP's wrap does, and the grads become views into
-        one flat buffer (keep_grads) that step() all-reduces."""
+        rank 0's weights go to every rank, as DDP's wrap does, and the grads are kept in one
+        flat buffer that step() all-reduces."""
         for t in itertools.chain(raw_model.parameters(), raw_model.buffers()):
             dist.broadcast(t.detach(), src=0)
-        self.wraps_in_ddp = False
-        self.grads = keep_grads(raw_model)
+        self.wraps_in_ddp, self.summed = False, True
+        self.keep_grads(raw_model, graphs)
         self.notes.append("grads summed across ranks once a step, after the backward (grad_sync)")
 
     def make_optimizer(self, raw_model, cfg, device):
@@ -105,28 +111,36 @@ class DataParallel:
         """The context of one micro-step's forward; sync: reduce the grads in this backward (the
         last micro-step). DDP: no_sync() on the others; nothing to do with the grads summed at
         the step."""
-        if sync or self.grads is not None:
+        if sync or self.summed:
             return contextlib.nullcontext()
         return train_model.no_sync()
+
+    def backward(self, loss, first):
+        """One micro-step's backward; first: the step's first (kept grads start again there)."""
+        if self.kept is None:
+            loss.backward()
+        else:
+            self.kept.backward(loss, first)
 
     def step(self, optimizer, raw_model, max_norm):
         """Clip to max_norm by the global grad norm, update; returns that norm (device scalar).
         With sync_at_step's buffer, the ranks' mean grads first (as DDP's)."""
-        if self.grads is not None:
+        if self.summed:
+            flat = self.kept.flat
             if dist.get_backend() == "nccl":
-                dist.all_reduce(self.grads, op=dist.ReduceOp.AVG)
+                dist.all_reduce(flat, op=dist.ReduceOp.AVG)
             else:  # gloo has no AVG
-                dist.all_reduce(self.grads)
-                self.grads.div_(dist.get_world_size())
+                dist.all_reduce(flat)
+                flat.div_(dist.get_world_size())
         return clipped_step(optimizer, raw_model.parameters(), max_norm)
 
-    def zero_grad(self, optimizer, keep):
-        """After the update: the grads zeroed in place (kept: keep_grads) or set to None; the
-        flat buffer of sync_at_step in one kernel."""
-        if self.grads is not None:
-            self.grads.zero_()
+    def zero_grad(self, optimizer):
+        """After the update: kept grads made ready for the next step (KeptGrads.zero), others
+        set to None."""
+        if self.kept is not None:
+            self.kept.zero()
         else:
-            optimizer.zero_grad(set_to_none=not keep)
+            optimizer.zero_grad(set_to_none=True)
 
     def full_state(self, raw_model, optimizer, master):
         """(model state dict, optimizer state dict) as a single process has them, on rank 0;
