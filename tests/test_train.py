@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import train
-from conftest import LOSS_PNG, read_log
+from conftest import LOSS_PNG, read_log, read_norms
 from data import resolve_dataset
 from data.loader import iter_val_batches
 from gpt2_fused.core import compile_guard, config, model_io
@@ -736,6 +736,30 @@ def test_kept_grads_sum_the_micro_batches_of_each_step(by_grad):
             assert flat.data_ptr() <= p.grad.data_ptr() < flat.data_ptr() + flat.nbytes
         kept.zero()
     assert not unused.grad.any()
+
+
+def test_step_with_grads_kept_by_autograd_grad_matches_backward(tiny_args, tmp_path, monkeypatch):
+    """train.py's step with the grads kept as under CUDA graphs (KeptGrads by_grad, forced here
+    on the CPU, where graphs never run): three micro-batches a step, the first copying, the
+    others adding. Its losses, grad norms and validation losses are those of plain backward()s
+    from zero (a wrong `first` would double the grads from step 1 on)."""
+    args = [*tiny_args, "--total_batch_size=384", "--max_steps=5", "--eval_interval=5"]
+    train.main([*args, f"--out_dir={tmp_path / 'plain'}"])
+
+    def kept_by_grad(run, use_compile, grad_accum):
+        compile_and_wrap(run, use_compile, grad_accum)
+        assert grad_accum == 3 and run.shard.kept is None
+        run.shard.keep_grads(run.raw_model, graphs=True)
+
+    compile_and_wrap = train.compile_and_wrap
+    monkeypatch.setattr(train, "compile_and_wrap", kept_by_grad)
+    train.main([*args, f"--out_dir={tmp_path / 'kept'}"])
+    (a, a_val), (b, b_val) = read_log(tmp_path / "plain"), read_log(tmp_path / "kept")
+    assert sorted(b) == list(range(5)) and sorted(b_val) == [0, 5]
+    assert read_norms(tmp_path / "kept") == pytest.approx(read_norms(tmp_path / "plain"), rel=1e-5)
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+    assert b_val[5] == pytest.approx(a_val[5], rel=1e-5)
 
 
 def small_cuda_model_and_batches(n):
