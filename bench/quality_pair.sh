@@ -64,6 +64,9 @@ import json, sys
 out, changes, seeds = sys.argv[1], sys.argv[2].split(";"), sys.argv[3:]
 names = ["change"] if len(changes) == 1 else [f"change{i + 1}" for i in range(len(changes))]
 labels = [c or "default again" for c in changes]
+# the same change twice (a spread measurement) gets its own column and its own largest gap
+labels = [lab if labels[:i].count(lab) == 0 else f"{lab} #{labels[:i].count(lab) + 1}"
+          for i, lab in enumerate(labels)]
 def curve(name):
     recs = [json.loads(line) for line in open(f"{out}/{name}.jsonl")]
     val = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
