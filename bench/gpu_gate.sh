@@ -9,8 +9,9 @@
 #    MLP and attention, torch's fused AdamW, fp32 residual stream): 1558M at micro-batch 16 first
 #    (REPEATS_LARGE runs: a cold 1558M pair takes 260-310 s, so three of them do not fit the
 #    device's 600 s a call with the rest), then 124M at 32 (REPEATS runs of each, interleaved:
-#    medians and ratios). No run starts that would end past BUDGET seconds from the start (a
-#    slow machine loses 124M repeats, with a warning, rather than the call's whole table).
+#    medians and ratios). No repeat (default and plain of one model:batch) starts that would end
+#    past BUDGET seconds from the start, and one that starts runs whole (a slow machine loses 124M
+#    repeats, with a warning, rather than the call's whole table or a default without its plain).
 # Then one short table. Exit status: pytest's, else throughput.py's. About 9 minutes on an H200.
 # Environment: PYTHON (default python3), REPEATS (3), REPEATS_LARGE (1), RUNS / RUNS_LARGE (the
 # model:batch[:steps:warmup] lists; empty: none), IMPLS (default,plain; bench/throughput.py's, e.g.

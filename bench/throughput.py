@@ -202,14 +202,17 @@ def max_batch_candidates(runs, impl, capacity_gib=None):
     return [int(pred * f) // 8 * 8 for f in (0.95, 0.85)]
 
 
-def past_budget(runs, model, start, budget, impl=None):
-    """Whether a run of model and impl would end more than budget seconds after start. Its
-    length: the last finished run of the same model and impl (a repeat finds Inductor's caches
-    warm, so the cold first run would overstate it by ~2x), else the longest of that model, else
-    0 s."""
-    same = [r.get("wall_s", 0) for r in runs if r["model"] == model and r.get("impl") == impl]
+def past_budget(runs, model, start, budget, impls=None):
+    """Whether runs of model, one per impl in impls (a name, a list, or None for "any"), started
+    now would end more than budget seconds after start. A run's length: the last finished run of
+    the same model and impl (a repeat finds Inductor's caches warm, so the cold first run would
+    overstate it by ~2x), else the longest of that model, else 0 s."""
     longest = max([r.get("wall_s", 0) for r in runs if r["model"] == model], default=0)
-    return time.time() - start + (same[-1] if same else longest) > budget
+    need = 0.0
+    for impl in [impls] if impls is None or isinstance(impls, str) else impls:
+        same = [r.get("wall_s", 0) for r in runs if r["model"] == model and r.get("impl") == impl]
+        need += same[-1] if same else longest
+    return time.time() - start + need > budget
 
 
 def summarise(runs):
@@ -279,8 +282,9 @@ def main():
         "--time-budget",
         type=float,
         default=0,
-        help="seconds: start no run that a finished run of the same model says would end past "
-        "this, counted from the start (0: no limit); the table reports the runs that ran",
+        help="seconds: start no repeat (every impl of one model:batch) that finished runs of the "
+        "same model say would end past this, counted from the start (0: no limit); a started "
+        "repeat runs whole; the table reports the runs that ran",
     )
     ap.add_argument("--torchrun", action="store_true", help="each run under torchrun, 1 process")
     ap.add_argument("--steps", type=int, default=30)
@@ -307,26 +311,28 @@ def main():
     specs = [s for s in args.runs.split(",") if s]
     for spec, rep in [(s, r) for s in specs for r in range(args.repeats)]:
         model, batch, steps, warmup = (spec.split(":") + [args.steps, args.warmup])[:4]
-        for impl in args.impls.split(","):
-            for k, extra in enumerate(args.train_args or [""]):
-                name = f"{model}_b{batch}_{impl}" + (f"_v{k}" if extra else "") + f"_r{rep}"
-                if budget and past_budget(results["runs"], model, start, budget, impl):
-                    skipped.append(name)
-                    continue
-                out_dir = os.path.join(work, name)
-                subprocess.run(["rm", "-rf", out_dir])
-                cli = train_args(model, int(batch), impl, int(steps), dataset, out_dir)
-                cli += shlex.split(extra)
-                res = run_child(cli, torchrun=args.torchrun)
-                res = dict(model=model, batch=int(batch), impl=impl, **res)
-                res["train_args"], res["repeat"] = extra, rep
-                log = os.path.join(out_dir, "log.jsonl")
-                if res["rc"] == 0:
-                    res.update(step_stats(log, int(warmup)))
-                    shutil.copy(log, os.path.join(args.out, f"log_{name}.jsonl"))
-                results["runs"].append(res)
-                print(json.dumps(res), flush=True)
-                save()
+        variants = [(impl, extra, f"{model}_b{batch}_{impl}" + (f"_v{k}" if extra else "") +
+                     f"_r{rep}") for impl in args.impls.split(",")
+                    for k, extra in enumerate(args.train_args or [""])]  # fmt: skip
+        # a repeat runs whole or not at all: a default without its plain is no comparison
+        if budget and past_budget(results["runs"], model, start, budget, [v[0] for v in variants]):
+            skipped += [v[2] for v in variants]
+            continue
+        for impl, extra, name in variants:
+            out_dir = os.path.join(work, name)
+            subprocess.run(["rm", "-rf", out_dir])
+            cli = train_args(model, int(batch), impl, int(steps), dataset, out_dir)
+            cli += shlex.split(extra)
+            res = run_child(cli, torchrun=args.torchrun)
+            res = dict(model=model, batch=int(batch), impl=impl, **res)
+            res["train_args"], res["repeat"] = extra, rep
+            log = os.path.join(out_dir, "log.jsonl")
+            if res["rc"] == 0:
+                res.update(step_stats(log, int(warmup)))
+                shutil.copy(log, os.path.join(args.out, f"log_{name}.jsonl"))
+            results["runs"].append(res)
+            print(json.dumps(res), flush=True)
+            save()
     for extra in (args.train_args or [""]) if args.profile else []:  # a profile per variant
         model, batch = args.profile.split(":")
         out_dir = os.path.join(work, "profile")

@@ -205,6 +205,36 @@ def test_throughput_time_budget_skips_a_run_that_would_end_past_it():
     assert throughput.past_budget(runs, "1558M", now - 400, budget, "default")  # the longest
     assert not throughput.past_budget(runs, "350M", now - 499, budget)  # none yet: 499 < 500
     assert throughput.past_budget(runs, "350M", now - 501, budget)
+    # a repeat of default and plain needs both: 400 + 56 (the longest, for default) + 29 > 450
+    assert not throughput.past_budget(runs, "124M", now - 400, 450, "plain")
+    assert throughput.past_budget(runs, "124M", now - 400, 450, ["default", "plain"])
+    assert not throughput.past_budget(runs, "124M", now - 400, 490, ["default", "plain"])
+
+
+def test_throughput_runs_a_repeat_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
+    """A repeat (every impl of one model:batch) that starts finishes: a gate whose tests ran long
+    still gets its default and plain pair, never a default alone; the next repeat is skipped."""
+    import sys
+    import time
+
+    clock = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+
+    def child(cli, **_):
+        clock[0] += 60.0  # each run takes a minute
+        return dict(rc=1, wall_s=60.0, error="not run")
+
+    monkeypatch.setattr(throughput, "run_child", child)
+    monkeypatch.setattr(throughput, "random_dataset", lambda *a: str(tmp_path))
+    monkeypatch.setattr(throughput, "ROOT", str(tmp_path))
+    argv = ["throughput", "--runs", "124M:32:4:1", "--impls", "default,plain", "--repeats", "3",
+            "--time-budget", "100", "--out", str(tmp_path / "o")]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    throughput.main()
+    out = capsys.readouterr().out
+    ran = [json.loads(line) for line in out.splitlines() if line.startswith('{"model"')]
+    assert [(r["impl"], r["repeat"]) for r in ran] == [("default", 0), ("plain", 0)]
+    assert "124M_b32_default_r1, 124M_b32_plain_r1, 124M_b32_default_r2" in out
 
 
 def test_parity_reference_draws_random_windows_of_all_train_tokens(tmp_path):
