@@ -25,7 +25,7 @@ from data import hellaswag
 from data.loader import DataLoader, iter_val_batches, open_data
 from data.shards import DataError
 from data.tokenizer import EOT, get_tokenizer
-from gpt2_fused.core import distributed, fp8, plot, sharding
+from gpt2_fused.core import distributed, fp8, plot, sharding, weight_casts
 from gpt2_fused.core.checkpoint import (
     CheckpointError,
     list_checkpoints,
@@ -371,6 +371,8 @@ def main(argv=None, train_loader=DataLoader):
         if use_compile:  # compilation is lazy (first step, first eval): patched until the end
             compile_settings.enter_context(compiler_settings(cfg))
         compile_and_wrap(run, use_compile, grad_accum)
+        if cfg.fp8 == "off" and not shard.fully_sharded:  # last: the weights as resumed, broadcast
+            weight_casts.attach(raw_model, optimizer, dtype)
 
         tokens_per_step = cfg.batch_size * T * world_size * grad_accum
         flops_per_step = raw_model.flops_per_token() * tokens_per_step

@@ -73,6 +73,48 @@ def test_matches_the_reference_and_torch_adamw(device, layout, scale):
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("layout", sorted(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_casts_are_the_updated_weights_rounded(device, layout, dtype):
+    """set_casts: after every step each cast holds its parameter's new value as torch rounds
+    it (.to(dtype), nearest-even), and the update itself is the reference's; a parameter with
+    no cast, and a cast whose parameter has no grad, are left alone."""
+    start, grads = _params(SHAPES[layout] + [(8,)], device)
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    ref = [t.clone() for t in start[:-1]]
+    ms, vs = [torch.zeros_like(t) for t in ref], [torch.zeros_like(t) for t in ref]
+    opt = MultiTensorAdamW(_groups(ours), **HYPER)
+    # no cast for the second tensor; the last one never gets a grad
+    casted = [p for i, p in enumerate(ours) if i != 1]
+    casts = {p: torch.full(p.shape, 7.0, dtype=dtype, device=device) for p in casted}
+    opt.set_casts(casts)
+    for t, step_grads in enumerate(grads, start=1):
+        for p, g in zip(ours[:-1], step_grads, strict=False):
+            p.grad = g.clone()
+        opt.step()
+        adamw_reference(ref, step_grads[: len(ref)], ms, vs, t, lr=HYPER["lr"],
+                        betas=HYPER["betas"], eps=HYPER["eps"],
+                        weight_decays=[0.1] + [0.0] * (len(ref) - 1))  # fmt: skip
+        for p, r in zip(ours, ref, strict=False):
+            torch.testing.assert_close(p.data, r, rtol=1e-6, atol=1e-7)
+        for p in casted[:-1]:
+            assert torch.equal(casts[p], p.data.to(dtype))
+        assert torch.all(casts[ours[-1]] == 7.0)  # no grad, no update
+    assert (casts[ours[0]].float() - start[0]).abs().max() > 1e-3  # the casts moved
+
+
+def test_set_casts_refuses_mismatches():
+    p = torch.nn.Parameter(torch.zeros(4, 8))
+    opt = MultiTensorAdamW([p])
+    with pytest.raises(TypeError, match="all bf16 or all fp16"):
+        opt.set_casts({p: torch.zeros(4, 8)})
+    with pytest.raises(ValueError, match="contiguous, shaped and placed"):
+        opt.set_casts({p: torch.zeros(8, 4, dtype=torch.bfloat16)})
+    with pytest.raises(ValueError, match="contiguous, shaped and placed"):
+        opt.set_casts({p: torch.zeros(8, 4, dtype=torch.bfloat16).t()})
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("layout", sorted(SHAPES))
 def test_total_norm(device, layout):
     start, grads = _params(SHAPES[layout], device)
     params = [torch.nn.Parameter(t) for t in start]
@@ -166,30 +208,35 @@ def test_resumed_torch_adamw_keeps_its_kernel_flags():
 
 # The kernels read every tensor through a table of raw addresses, which hides their alignment
 # from the compiler: ALIGNED=True restores it (tl.multiple_of). Without it the loads are 4 bytes
-# wide; with it they must be 16 (p, g, m, v: 4 per thread each at BLOCK=4096).
+# wide; with it they must be 16 (p, g, m, v: 4 per thread each at BLOCK=4096), and the bf16
+# casts' stores 8 (four fp32 elements' worth).
 COMPILE = r"""
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from gpt2_fused.kernels import adamw
 
-def build(fn, sig, aligned):
-    consts = dict(BLOCK=adamw.BLOCK, ALIGNED=aligned)
+def build(fn, sig, aligned, **more):
+    consts = dict(BLOCK=adamw.BLOCK, ALIGNED=aligned, **more)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n][0] == "*"}
     src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}),
                     constexprs=consts, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=adamw.NUM_WARPS)).asm["ptx"]
-    return [len(re.findall(rf"{op}\.global(?:\.\w+)*\.v4\.b32", ptx)) for op in ("ld", "st")]
+    wide = [(op, n) for op in ("ld", "st") for n in (4, 2)]  # 16- and 8-byte accesses
+    return [len(re.findall(rf"{op}\.global(?:\.\w+)*\.v{n}\.b32", ptx)) for op, n in wide]
 
 tables = dict(ptrs="*i64", numels="*i64")
 blocks = dict(block_tensor="*i32", block_start="*i64")
 step = dict(tables, wds="*fp32", **blocks, scale_ptr="*fp32", T="i32",
             **{k: "fp32" for k in ("lr", "beta1", "beta2", "eps", "step_size", "bc2_sqrt")})
 norm = dict(tables, **blocks, partial="*fp32", T="i32")
-print(json.dumps({f"{name} {aligned}": build(fn, sig, aligned)
-                  for name, fn, sig in (("adamw", adamw.adamw_kernel, step),
-                                        ("sumsq", adamw.sumsq_kernel, norm))
+casts = dict(INTERPRETED=False)
+print(json.dumps({f"{name} {aligned}": build(fn, sig, aligned, **more)
+                  for name, fn, sig, more in (
+                      ("adamw", adamw.adamw_kernel, step, dict(casts, CASTS=0)),
+                      ("adamw bf16 casts", adamw.adamw_kernel, step, dict(casts, CASTS=1)),
+                      ("sumsq", adamw.sumsq_kernel, norm, {}))
                   for aligned in (True, False)}))
 """
 
@@ -198,8 +245,11 @@ print(json.dumps({f"{name} {aligned}": build(fn, sig, aligned)
 def test_adamw_kernels_compile_with_16_byte_accesses():
     got = compile_for_sm90(COMPILE)
     assert got == {
-        "adamw True": [16, 12],  # p, g, m, v loaded; p, m, v stored
-        "adamw False": [0, 0],
-        "sumsq True": [4, 0],
-        "sumsq False": [0, 0],
+        # [16-byte loads, 8-byte loads, 16-byte stores, 8-byte stores]
+        "adamw True": [16, 0, 12, 0],  # p, g, m, v loaded; p, m, v stored
+        "adamw False": [0, 0, 0, 0],
+        "adamw bf16 casts True": [16, 0, 12, 4],  # + 16 bf16 a thread, in fp32's 4-element runs
+        "adamw bf16 casts False": [0, 0, 0, 0],
+        "sumsq True": [4, 0, 0, 0],
+        "sumsq False": [0, 0, 0, 0],
     }

@@ -17,6 +17,9 @@ Per parameter (fp32 throughout; torch's fused AdamW's order of operations):
     p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 Bytes per parameter: 28 (reads p g m v, writes p m v); the grads are not written back (torch's
 fused step with grad_scale stores the scaled grads). total_norm reads the grads once more (4).
+`casts` (param -> a bf16/fp16 tensor of its shape) adds a fifth row of addresses: the kernel
+also writes p's cast to the compute dtype there (2 bytes), the copy the forward's matmuls read
+instead of casting the weight every micro-batch (6 bytes; gpt2_fused/core/weight_casts.py).
 The state is torch.optim.AdamW's (exp_avg, exp_avg_sq, a CPU float32 step), so checkpoints move
 between the two. adamw_reference and total_norm_reference are the same in plain torch (and
 tests/test_adamw.py also checks against torch.optim.AdamW).
@@ -26,8 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
+from gpt2_fused.kernels.interpreter import to_dtype
+
 BLOCK = 4096  # fp32 elements per program: 16 per thread at 8 warps
 NUM_WARPS = 8
+CAST_CODES = {torch.bfloat16: 1, torch.float16: 2}  # adamw_kernel's CASTS
 
 
 @triton.jit
@@ -65,9 +71,10 @@ def sumsq_kernel(ptrs, numels, block_tensor, block_start, partial, T, BLOCK: tl.
 @triton.jit
 def adamw_kernel(ptrs, numels, wds, block_tensor, block_start, scale_ptr, T, lr, beta1,
                   beta2, eps, step_size, bc2_sqrt, BLOCK: tl.constexpr,
-                  ALIGNED: tl.constexpr):  # fmt: skip
+                  ALIGNED: tl.constexpr, CASTS: tl.constexpr,
+                  INTERPRETED: tl.constexpr):  # fmt: skip
     """One AdamW update of one block (module docstring); step_size = lr / (1 - beta1^t),
-    bc2_sqrt = sqrt(1 - beta2^t)."""
+    bc2_sqrt = sqrt(1 - beta2^t). CASTS: 0 none, 1 bf16, 2 fp16 casts written (row 4)."""
     t, offs, mask = _locate(block_tensor, block_start, numels, BLOCK, ALIGNED)
     p_ptr = _address(ptrs, t, ALIGNED) + offs
     m_ptr = _address(ptrs, 2 * T + t, ALIGNED) + offs
@@ -82,6 +89,16 @@ def adamw_kernel(ptrs, numels, wds, block_tensor, block_start, scale_ptr, T, lr,
     tl.store(m_ptr, m, mask=mask)
     tl.store(v_ptr, v, mask=mask)
     tl.store(p_ptr, p, mask=mask)
+    if CASTS != 0:  # row 4 of ptrs: the cast's address, 0 for a parameter without one
+        c = tl.load(ptrs + 4 * T + t)
+        if c != 0:
+            if CASTS == 1:
+                c_ptr = c.to(tl.pointer_type(tl.bfloat16))
+            else:
+                c_ptr = c.to(tl.pointer_type(tl.float16))
+            if ALIGNED:
+                c_ptr = tl.multiple_of(c_ptr, 16)
+            tl.store(c_ptr + offs, to_dtype(p, c_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
 def _device_tensor(values, dtype, device):
@@ -103,8 +120,22 @@ class MultiTensorAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.grad_scale = None
+        self.casts = {}  # param -> its cast to the compute dtype, written each step (set_casts)
         self._blocks = {}  # (numel, ...) -> (block_tensor, block_start) on the device
         self._tables = None  # (key of addresses, ptrs, numels, wds, aligned) of the last step
+
+    def set_casts(self, casts):
+        """From now on each step also writes every parameter's new value, rounded to nearest,
+        into casts[param]: contiguous, the parameter's shape, all bf16 or all fp16. Whoever
+        reads them must start from copies of the current values (weight_casts.py does)."""
+        dtypes = {c.dtype for c in casts.values()}
+        if not dtypes <= set(CAST_CODES) or len(dtypes) > 1:
+            raise TypeError(f"MultiTensorAdamW: casts must be all bf16 or all fp16, got {dtypes}")
+        for p, c in casts.items():
+            if c.shape != p.shape or not c.is_contiguous() or c.device != p.device:
+                raise ValueError("MultiTensorAdamW: a cast must be contiguous, shaped and placed "
+                                 "as its parameter")  # fmt: skip
+        self.casts = dict(casts)
 
     def _hyper(self):
         """(lr, betas, eps), the same in every group (only the weight decay is per tensor)."""
@@ -152,6 +183,8 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         ptrs = [p.data_ptr() for p, _ in live] + [p.grad.data_ptr() for p, _ in live]
         ptrs += [self.state[p]["exp_avg"].data_ptr() for p, _ in live]
         ptrs += [self.state[p]["exp_avg_sq"].data_ptr() for p, _ in live]
+        if self.casts:
+            ptrs += [self.casts[p].data_ptr() if p in self.casts else 0 for p, _ in live]
         key = (tuple(ptrs), tuple(wd for _, wd in live))
         if self._tables is None or self._tables[0] != key:
             self._tables = (
@@ -210,17 +243,18 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         adamw_kernel[(block_tensor.numel(),)](
             ptrs, numels, wds, block_tensor, block_start, scale, len(live), lr, beta1, beta2,
             eps, lr / (1 - beta1**t), (1 - beta2**t) ** 0.5, BLOCK=BLOCK, ALIGNED=aligned,
-            num_warps=NUM_WARPS,
+            CASTS=CAST_CODES[next(iter(self.casts.values())).dtype] if self.casts else 0,
+            INTERPRETED=ptrs.device.type != "cuda", num_warps=NUM_WARPS,
         )  # fmt: skip
         return loss
 
 
 def adamw_reference(params, grads, exp_avgs, exp_avg_sqs, step, *, lr, betas, eps, weight_decays,
-                    grad_scale=None):  # fmt: skip
+                    grad_scale=None, casts=None):  # fmt: skip
     """One MultiTensorAdamW update in plain torch, in place on params, exp_avgs, exp_avg_sqs
     (lists of fp32 tensors), in the kernel's order of operations; step: t, the count after this
     update; weight_decays: one per tensor; grad_scale: None or the scalar every grad is divided
-    by."""
+    by; casts: None or one tensor (or None) per param, given the new value's cast."""
     beta1, beta2 = betas
     step_size, bc2_sqrt = lr / (1 - beta1**step), (1 - beta2**step) ** 0.5
     for p, g, m, v, wd in zip(params, grads, exp_avgs, exp_avg_sqs, weight_decays, strict=True):
@@ -229,6 +263,9 @@ def adamw_reference(params, grads, exp_avgs, exp_avg_sqs, step, *, lr, betas, ep
         m.copy_(beta1 * m + (1.0 - beta1) * g)
         v.copy_(beta2 * v + (1.0 - beta2) * g * g)
         p.sub_(step_size * m / (v.sqrt() / bc2_sqrt + eps))
+    for p, c in zip(params, casts or [None] * len(params), strict=True):
+        if c is not None:
+            c.copy_(p)
 
 
 def total_norm_reference(grads):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from gpt2_fused.kernels.colsum import qkv_grad
 from gpt2_fused.kernels.device import is_hopper
-from gpt2_fused.kernels.mlp import half_compute_dtype, linear_add, mm_as
+from gpt2_fused.kernels.mlp import as_compute, half_compute_dtype, linear_add, mm_as
 
 
 def available():
@@ -103,10 +103,10 @@ def _backward(ctx, dy, _dqkv, _dlse, _dseed, _doffset):
 attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention_fast(x, w, b, n_head):
+def attention_fast(x, w, b, n_head, w_cast=None):
     """y (B, T, C) before c_proj for x (B, T, C) on CUDA, in bf16/fp16 or under such autocast,
-    causal, no dropout; None where the op does not apply. Only tensor metadata is read here, so
-    that Dynamo traces it into the graph."""
+    causal, no dropout; None where the op does not apply. w_cast: w's kept cast, or None
+    (mlp.as_compute). Only tensor metadata is read here, so that Dynamo traces it into the graph."""
     if not x.is_cuda or b is None or x.dim() != 3:
         return None
     dt = half_compute_dtype(x)
@@ -114,7 +114,7 @@ def attention_fast(x, w, b, n_head):
     hs = C // n_head
     if dt is None or C % n_head or hs % 8 or hs > 128:
         return None
-    y, *_ = attention(x.to(dt), w, w.to(dt), b, n_head)
+    y, *_ = attention(x.to(dt), w, as_compute(w, w_cast, dt), b, n_head)
     return y
 
 
@@ -148,10 +148,11 @@ def _proj_backward(ctx, dout):
 proj_residual.register_autograd(_proj_backward, setup_context=_proj_setup)
 
 
-def proj_residual_fast(y, w, b, residual):
+def proj_residual_fast(y, w, b, residual, w_cast=None):
     """residual + c_proj(y) for y, residual (B, T, C) on CUDA in bf16/fp16 (or under such
     autocast), residual in the compute dtype; None where the op does not apply (the caller adds
-    residual + F.linear(y, w, b)). Only tensor metadata is read here (Dynamo traces it)."""
+    residual + F.linear(y, w, b)); w_cast as attention_fast's. Only tensor metadata is read here
+    (Dynamo traces it)."""
     if not y.is_cuda or b is None:
         return None
     dt = half_compute_dtype(y)
@@ -160,7 +161,9 @@ def proj_residual_fast(y, w, b, residual):
     if residual.shape != y.shape or not residual.is_contiguous():
         return None
     C = y.shape[-1]
-    out = proj_residual(y.to(dt).reshape(-1, C), w, w.to(dt), b, residual.view(-1, C))
+    out = proj_residual(
+        y.to(dt).reshape(-1, C), w, as_compute(w, w_cast, dt), b, residual.view(-1, C)
+    )
     return out.view(residual.shape)
 
 

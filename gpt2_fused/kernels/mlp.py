@@ -137,11 +137,17 @@ def half_compute_dtype(x):
     return dt if dt in (torch.bfloat16, torch.float16) else None
 
 
-def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None):
+def as_compute(w, cast, dt):
+    """w in the compute dtype dt: its kept cast when there is one in dt, else w.to(dt)."""
+    return cast if cast is not None and cast.dtype == dt else w.to(dt)
+
+
+def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None, casts=(None, None)):
     """c_proj(gelu_tanh(c_fc(x))), plus residual if given (out's shape), for x (..., D) on CUDA,
     in bf16/fp16 or under such autocast; None where the epilogues do not apply (the caller then
-    runs residual + mlp_reference). Only tensor metadata is read here, so that Dynamo traces it
-    into the graph."""
+    runs residual + mlp_reference). casts: the weights' casts to the compute dtype where the
+    caller keeps them (gpt2_fused/core/weight_casts.py), else None: cast here. Only tensor
+    metadata is read here, so that Dynamo traces it into the graph."""
     if not x.is_cuda or b_fc is None or b_proj is None:
         return None
     dt = half_compute_dtype(x)
@@ -156,7 +162,8 @@ def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None):
         and tuple(residual.shape) == shape
     )
     r = residual.view(-1, shape[-1]) if fused else None  # (M, D)
-    out, _, _ = mlp_gelu(x, w_fc, w_fc.to(dt), b_fc, w_proj, w_proj.to(dt), b_proj, r)
+    w_fc_c, w_proj_c = (as_compute(w, c, dt) for w, c in zip((w_fc, w_proj), casts, strict=True))
+    out, _, _ = mlp_gelu(x, w_fc, w_fc_c, b_fc, w_proj, w_proj_c, b_proj, r)
     out = out.view(shape)
     return out if residual is None or fused else residual + out
 

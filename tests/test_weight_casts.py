@@ -1,0 +1,109 @@
+"""gpt2_fused/core/weight_casts.py: the matmul weights' bf16 casts kept by MultiTensorAdamW,
+against the casts the forward makes per call (the path without them)."""
+
+import pytest
+import torch
+
+from gpt2_fused.core import weight_casts
+from gpt2_fused.kernels.adamw import MultiTensorAdamW
+from model import GPT, GPTConfig
+
+KW = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, padded_vocab_size=64)
+
+
+def _model(device="cpu", fast=True, seed=0):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**KW)).to(device)
+    for block in model.transformer.h if fast is not None else []:
+        block.attn.use_fast = block.mlp.use_cublaslt = fast  # on CPU the flags say which
+    return model
+
+
+def _linears(model):
+    return [
+        m
+        for b in model.transformer.h
+        for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)
+    ]
+
+
+def _step(model, opt, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device)
+    opt.step()
+
+
+def test_attach_keeps_each_fast_linear_cast_through_steps():
+    model = _model()
+    opt = MultiTensorAdamW(model.parameters(), lr=1e-2)
+    assert weight_casts.attach(model, opt, torch.bfloat16) == 4 * KW["n_layer"]
+    casts = [m.weight_cast for m in _linears(model)]
+    base = casts[0].untyped_storage().data_ptr()
+    for m, c in zip(_linears(model), casts, strict=True):
+        assert c.dtype == torch.bfloat16 and c.shape == m.weight.shape and c.is_contiguous()
+        assert c.untyped_storage().data_ptr() == base  # one buffer
+        assert c.data_ptr() % 16 == 0  # the kernel's wide stores
+        assert torch.equal(c, m.weight.detach().to(torch.bfloat16))
+    for seed in range(2):
+        _step(model, opt, seed)
+        for m in _linears(model):
+            assert torch.equal(m.weight_cast, m.weight.detach().to(torch.bfloat16))
+    moved = (casts[0].float() - _model().transformer.h[0].attn.c_attn.weight).abs().max()
+    assert moved > 1e-3
+    weight_casts.detach(model, opt)
+    assert all(m.weight_cast is None for m in _linears(model)) and not opt.casts
+
+
+def test_attach_only_where_the_optimizer_keeps_every_update():
+    """Nothing for torch's AdamW (it would not write the casts), fp32 compute, Linears off the
+    fast paths (they never read a cast) or under FP8 (casts of their own)."""
+    model = _model()
+    assert weight_casts.attach(model, torch.optim.AdamW(model.parameters()), torch.bfloat16) == 0
+    assert weight_casts.attach(model, MultiTensorAdamW(model.parameters()), torch.float32) == 0
+    assert all(m.weight_cast is None for m in _linears(model))
+    off = _model(fast=False)
+    assert weight_casts.attach(off, MultiTensorAdamW(off.parameters()), torch.bfloat16) == 0
+    model.transformer.h[0].mlp.fp8_state = object()
+    opt = MultiTensorAdamW(model.parameters())
+    assert weight_casts.attach(model, opt, torch.float16) == 4 * KW["n_layer"] - 2
+    assert model.transformer.h[0].mlp.c_fc.weight_cast is None
+    assert model.transformer.h[1].mlp.c_fc.weight_cast.dtype == torch.float16
+    assert model.lm_head.weight not in opt.casts  # the tied embedding: the loss casts it
+
+
+def _train(model, steps, mode):
+    """Losses and final weights of `steps` MultiTensorAdamW steps under bf16 autocast, with
+    the weights' casts kept by the optimizer or not (mode: None eager, else torch.compile's)."""
+    opt = MultiTensorAdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    if mode == "kept":
+        assert weight_casts.attach(model, opt, torch.bfloat16) == 4 * KW["n_layer"]
+    run = torch.compile(model, mode="reduce-overhead")
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(0, KW["vocab_size"], (4, KW["block_size"] + 1), generator=gen).cuda()
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = run(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_kept_casts_train_as_per_call_casts():
+    """Compiled with CUDA graphs (the casts as static inputs the optimizer rewrites between
+    replays), 4 steps: the same losses and weights, bit for bit, as the per-call casts."""
+    if not all(
+        b.mlp.use_cublaslt and b.attn.use_fast for b in _model("cuda", fast=None).transformer.h
+    ):
+        pytest.skip("the fast paths do not apply on this GPU")
+    kept_losses, kept = _train(_model("cuda", fast=None), 4, "kept")
+    ref_losses, ref = _train(_model("cuda", fast=None), 4, "per call")
+    assert kept_losses == ref_losses
+    assert len(set(kept_losses)) > 1  # it trained
+    for a, b in zip(kept, ref, strict=True):
+        assert torch.equal(a, b)
