@@ -107,8 +107,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        # the weights' bf16 casts when the optimizer keeps them (gpt2_fused/core/weight_casts.py)
-        self.c_attn.weight_cast = self.c_proj.weight_cast = None
+        # (weight, bias) in bf16 when the optimizer keeps their casts (core/weight_casts.py)
+        self.c_attn.kept_casts = self.c_proj.kept_casts = (None, None)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
@@ -124,11 +124,11 @@ class CausalSelfAttention(nn.Module):
         if self.use_fast and cache is None:  # attention_fast: None where it does not apply
             c_attn, c_proj = self.c_attn, self.c_proj
             y = attention.attention_fast(
-                x, c_attn.weight, c_attn.bias, self.n_head, c_attn.weight_cast
+                x, c_attn.weight, c_attn.bias, self.n_head, c_attn.kept_casts
             )
             if y is not None and residual is not None:
                 out = attention.proj_residual_fast(
-                    y, c_proj.weight, c_proj.bias, residual, c_proj.weight_cast
+                    y, c_proj.weight, c_proj.bias, residual, c_proj.kept_casts
                 )
                 if out is not None:
                     return out
@@ -166,7 +166,7 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.c_fc.weight_cast = self.c_proj.weight_cast = None  # as CausalSelfAttention's
+        self.c_fc.kept_casts = self.c_proj.kept_casts = (None, None)  # as CausalSelfAttention's
         self.dropout = nn.Dropout(config.dropout)
         # Decided here, once: probing for libcublasLt (ctypes) inside the forward would break
         # torch.compile's graph (tests/test_model.py checks that the forward reaches no probe)
@@ -184,7 +184,7 @@ class MLP(nn.Module):
         if self.use_cublaslt and not decode:
             # dropout comes between c_proj and the residual add: with it on, the add stays here
             fused = residual if self.dropout.p == 0 or not self.training else None
-            casts = (self.c_fc.weight_cast, self.c_proj.weight_cast)
+            casts = (*self.c_fc.kept_casts, *self.c_proj.kept_casts)
             out = mlp_cublaslt(x, *w, residual=fused, casts=casts)
             if out is not None and fused is not None:
                 return out

@@ -1,4 +1,4 @@
-"""gpt2_fused/core/weight_casts.py: the matmul weights' bf16 casts kept by MultiTensorAdamW,
+"""gpt2_fused/core/weight_casts.py: the matmul parameters' bf16 casts kept by MultiTensorAdamW,
 against the casts the forward makes per call (the path without them)."""
 
 import pytest
@@ -38,21 +38,24 @@ def test_attach_keeps_each_fast_linear_cast_through_steps():
     model = _model()
     opt = MultiTensorAdamW(model.parameters(), lr=1e-2)
     assert weight_casts.attach(model, opt, torch.bfloat16) == 4 * KW["n_layer"]
-    casts = [m.weight_cast for m in _linears(model)]
-    base = casts[0].untyped_storage().data_ptr()
-    for m, c in zip(_linears(model), casts, strict=True):
-        assert c.dtype == torch.bfloat16 and c.shape == m.weight.shape and c.is_contiguous()
+    pairs = [
+        (p, c) for m in _linears(model) for p, c in zip(m.parameters(), m.kept_casts, strict=True)
+    ]
+    assert len(pairs) == 8 * KW["n_layer"]  # weights and biases
+    base = pairs[0][1].untyped_storage().data_ptr()
+    for p, c in pairs:
+        assert c.dtype == torch.bfloat16 and c.shape == p.shape and c.is_contiguous()
         assert c.untyped_storage().data_ptr() == base  # one buffer
         assert c.data_ptr() % 16 == 0  # the kernel's wide stores
-        assert torch.equal(c, m.weight.detach().to(torch.bfloat16))
+        assert torch.equal(c, p.detach().to(torch.bfloat16))
     for seed in range(2):
         _step(model, opt, seed)
-        for m in _linears(model):
-            assert torch.equal(m.weight_cast, m.weight.detach().to(torch.bfloat16))
-    moved = (casts[0].float() - _model().transformer.h[0].attn.c_attn.weight).abs().max()
-    assert moved > 1e-3
+        for p, c in pairs:
+            assert torch.equal(c, p.detach().to(torch.bfloat16))
+    before = _model().transformer.h[0].attn.c_attn.weight
+    assert (pairs[0][1].float() - before).abs().max() > 1e-3
     weight_casts.detach(model, opt)
-    assert all(m.weight_cast is None for m in _linears(model)) and not opt.casts
+    assert all(m.kept_casts == (None, None) for m in _linears(model)) and not opt.casts
 
 
 def test_attach_only_where_the_optimizer_keeps_every_update():
@@ -61,14 +64,14 @@ def test_attach_only_where_the_optimizer_keeps_every_update():
     model = _model()
     assert weight_casts.attach(model, torch.optim.AdamW(model.parameters()), torch.bfloat16) == 0
     assert weight_casts.attach(model, MultiTensorAdamW(model.parameters()), torch.float32) == 0
-    assert all(m.weight_cast is None for m in _linears(model))
+    assert all(m.kept_casts == (None, None) for m in _linears(model))
     off = _model(fast=False)
     assert weight_casts.attach(off, MultiTensorAdamW(off.parameters()), torch.bfloat16) == 0
     model.transformer.h[0].mlp.fp8_state = object()
     opt = MultiTensorAdamW(model.parameters())
     assert weight_casts.attach(model, opt, torch.float16) == 4 * KW["n_layer"] - 2
-    assert model.transformer.h[0].mlp.c_fc.weight_cast is None
-    assert model.transformer.h[1].mlp.c_fc.weight_cast.dtype == torch.float16
+    assert model.transformer.h[0].mlp.c_fc.kept_casts == (None, None)
+    assert model.transformer.h[1].mlp.c_fc.kept_casts[1].dtype == torch.float16
     assert model.lm_head.weight not in opt.casts  # the tied embedding: the loss casts it
 
 

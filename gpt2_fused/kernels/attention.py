@@ -49,9 +49,9 @@ def _heads(qkv, n_head):
     return [t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in qkv.split(C, dim=2)]
 
 
-def _forward(x, w_c, b, n_head):
+def _forward(x, w_c, b_c, n_head):
     B, T, C = x.shape
-    qkv = torch.addmm(b.to(x.dtype), x.reshape(B * T, C), w_c.t()).view(B, T, 3 * C)
+    qkv = torch.addmm(b_c, x.reshape(B * T, C), w_c.t()).view(B, T, 3 * C)
     q, k, v = _heads(qkv, n_head)
     out, lse, *_, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, True, False
@@ -63,21 +63,26 @@ def _forward(x, w_c, b, n_head):
 
 @torch.library.custom_op("gpt2_fused::attention", mutates_args=())
 def attention(
-    x: torch.Tensor, w: torch.Tensor, w_c: torch.Tensor, b: torch.Tensor, n_head: int
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_c: torch.Tensor,
+    b: torch.Tensor,
+    b_c: torch.Tensor,
+    n_head: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, qkv, lse, philox seed, offset): y (B, T, C) of the module docstring, the rest for the
-    backward. x (B, T, C) in the compute dtype; w the parameter (only its gradient's dtype is
-    read), w_c its cast to the compute dtype; b in any dtype."""
-    return _forward(x, w_c, b, n_head)
+    backward. x (B, T, C) in the compute dtype; w, b the parameters (only their gradients'
+    dtypes are read), w_c, b_c their casts to the compute dtype."""
+    return _forward(x, w_c, b_c, n_head)
 
 
 @attention.register_fake
-def _(x, w, w_c, b, n_head):
-    return _forward(x, w_c, b, n_head)  # the meta kernels give the outputs' shapes and strides
+def _(x, w, w_c, b, b_c, n_head):
+    return _forward(x, w_c, b_c, n_head)  # the meta kernels give the outputs' shapes and strides
 
 
 def _setup_context(ctx, inputs, output):
-    x, w, w_c, b, n_head = inputs
+    x, w, w_c, b, b_c, n_head = inputs
     y, qkv, lse, seed, offset = output
     ctx.n_head, ctx.dtypes = n_head, (w.dtype, b.dtype)
     ctx.save_for_backward(x, w_c, y, qkv, lse, seed, offset)
@@ -97,16 +102,17 @@ def _backward(ctx, dy, _dqkv, _dlse, _dseed, _doffset):
     dqkv, db = qkv_grad(*flat)
     dw_dtype, db_dtype = ctx.dtypes
     dx = (dqkv @ w_c).view(B, T, C)
-    return dx, mm_as(dqkv.t(), x.reshape(B * T, C), dw_dtype), None, db.to(db_dtype), None
+    return dx, mm_as(dqkv.t(), x.reshape(B * T, C), dw_dtype), None, db.to(db_dtype), None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention_fast(x, w, b, n_head, w_cast=None):
+def attention_fast(x, w, b, n_head, casts=(None, None)):
     """y (B, T, C) before c_proj for x (B, T, C) on CUDA, in bf16/fp16 or under such autocast,
-    causal, no dropout; None where the op does not apply. w_cast: w's kept cast, or None
-    (mlp.as_compute). Only tensor metadata is read here, so that Dynamo traces it into the graph."""
+    causal, no dropout; None where the op does not apply. casts: w's and b's kept casts, or
+    None (mlp.as_compute). Only tensor metadata is read here, so that Dynamo traces it into the
+    graph."""
     if not x.is_cuda or b is None or x.dim() != 3:
         return None
     dt = half_compute_dtype(x)
@@ -114,26 +120,33 @@ def attention_fast(x, w, b, n_head, w_cast=None):
     hs = C // n_head
     if dt is None or C % n_head or hs % 8 or hs > 128:
         return None
-    y, *_ = attention(x.to(dt), w, as_compute(w, w_cast, dt), b, n_head)
+    w_c, b_c = (as_compute(t, c, dt) for t, c in zip((w, b), casts, strict=True))
+    y, *_ = attention(x.to(dt), w, w_c, b, b_c, n_head)
     return y
 
 
 @torch.library.custom_op("gpt2_fused::proj_residual", mutates_args=())
 def proj_residual(
-    y: torch.Tensor, w: torch.Tensor, w_c: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
+    y: torch.Tensor,
+    w: torch.Tensor,
+    w_c: torch.Tensor,
+    b: torch.Tensor,
+    b_c: torch.Tensor,
+    residual: torch.Tensor,
 ) -> torch.Tensor:
-    """residual + y @ w_c.T + b (mlp.linear_add): y (M, C) and residual (M, C) contiguous in the
-    compute dtype, w_c (C, C) the cast of the parameter w (only w's dtype is read)."""
-    return linear_add(y, w_c, b, residual)
+    """residual + y @ w_c.T + b_c (mlp.linear_add): y (M, C) and residual (M, C) contiguous in
+    the compute dtype, w_c (C, C) and b_c the casts of the parameters w, b (only their dtypes
+    are read)."""
+    return linear_add(y, w_c, b_c, residual)
 
 
 @proj_residual.register_fake
-def _(y, w, w_c, b, residual):
+def _(y, w, w_c, b, b_c, residual):
     return torch.empty_like(residual)
 
 
 def _proj_setup(ctx, inputs, output):
-    y, w, w_c, b, residual = inputs
+    y, w, w_c, b, b_c, residual = inputs
     ctx.dtypes = w.dtype, b.dtype
     ctx.save_for_backward(y, w_c)
 
@@ -142,16 +155,16 @@ def _proj_backward(ctx, dout):
     y, w_c = ctx.saved_tensors
     dw_dtype, db_dtype = ctx.dtypes
     db = dout.sum(0, dtype=torch.float32).to(db_dtype)
-    return dout @ w_c, mm_as(dout.t(), y, dw_dtype), None, db, dout
+    return dout @ w_c, mm_as(dout.t(), y, dw_dtype), None, db, None, dout
 
 
 proj_residual.register_autograd(_proj_backward, setup_context=_proj_setup)
 
 
-def proj_residual_fast(y, w, b, residual, w_cast=None):
+def proj_residual_fast(y, w, b, residual, casts=(None, None)):
     """residual + c_proj(y) for y, residual (B, T, C) on CUDA in bf16/fp16 (or under such
     autocast), residual in the compute dtype; None where the op does not apply (the caller adds
-    residual + F.linear(y, w, b)); w_cast as attention_fast's. Only tensor metadata is read here
+    residual + F.linear(y, w, b)); casts as attention_fast's. Only tensor metadata is read here
     (Dynamo traces it)."""
     if not y.is_cuda or b is None:
         return None
@@ -161,9 +174,8 @@ def proj_residual_fast(y, w, b, residual, w_cast=None):
     if residual.shape != y.shape or not residual.is_contiguous():
         return None
     C = y.shape[-1]
-    out = proj_residual(
-        y.to(dt).reshape(-1, C), w, as_compute(w, w_cast, dt), b, residual.view(-1, C)
-    )
+    w_c, b_c = (as_compute(t, c, dt) for t, c in zip((w, b), casts, strict=True))
+    out = proj_residual(y.to(dt).reshape(-1, C), w, w_c, b, b_c, residual.view(-1, C))
     return out.view(residual.shape)
 
 

@@ -15,8 +15,9 @@ bias sums), but for the GELU gradient:
     dr = dout                                (the residual passes the gradient through)
 The GEMMs run in the compute dtype (bf16 under autocast, on the caller's casts of the weights)
 with fp32 accumulation, and the weight gradients leave them in the parameters' own dtype: fp32
-for fp32 master weights, not rounded to bf16 and cast back (so the op takes each weight twice,
-as the parameter and as its cast: autograd hands the gradient to the parameter). The bias sums
+for fp32 master weights, not rounded to bf16 and cast back (so the op takes each weight and bias
+twice, as the parameter and as its cast: autograd hands the gradient to the parameter, and the
+casts are made outside, where Inductor fuses them or the optimizer keeps them). The bias sums
 are fp32 too. Saved for backward: x, h, a and the weights' casts.
 What goes against F.linear + F.gelu: the GELU forward and GELU-gradient kernels (each a full
 (M, F) read and write) and the casts of dW to fp32. The GELU is evaluated on the fp32
@@ -63,30 +64,32 @@ def mlp_gelu(
     w_fc: torch.Tensor,
     w_fc_c: torch.Tensor,
     b_fc: torch.Tensor,
+    b_fc_c: torch.Tensor,
     w_proj: torch.Tensor,
     w_proj_c: torch.Tensor,
     b_proj: torch.Tensor,
+    b_proj_c: torch.Tensor,
     residual: Optional[torch.Tensor],  # noqa: UP045 (custom_op parses the annotation)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, h, a) of the module docstring. x (M, D) in the compute dtype; w_fc, w_proj the
-    parameters (only their gradients' dtype is read), w_fc_c, w_proj_c their casts to the compute
-    dtype; the biases in any dtype; residual None or (M, D), contiguous in the compute dtype."""
+    """(out, h, a) of the module docstring. x (M, D) in the compute dtype; w_fc, b_fc, w_proj,
+    b_proj the parameters (only their gradients' dtypes are read), the _c tensors their casts to
+    the compute dtype; residual None or (M, D), contiguous in the compute dtype."""
     h = x.new_empty((x.shape[0], w_fc_c.shape[0]))
     a = torch.empty_like(h)
-    matmul(x, w_fc_c.t(), a, bias=b_fc.to(x.dtype), aux=h, epilogue=EPI_GELU_AUX_BIAS)
+    matmul(x, w_fc_c.t(), a, bias=b_fc_c, aux=h, epilogue=EPI_GELU_AUX_BIAS)
     if residual is None:
-        return torch.addmm(b_proj.to(x.dtype), a, w_proj_c.t()), h, a
-    return linear_add(a, w_proj_c, b_proj, residual), h, a
+        return torch.addmm(b_proj_c, a, w_proj_c.t()), h, a
+    return linear_add(a, w_proj_c, b_proj_c, residual), h, a
 
 
 @mlp_gelu.register_fake
-def _(x, w_fc, w_fc_c, b_fc, w_proj, w_proj_c, b_proj, residual):
+def _(x, w_fc, w_fc_c, b_fc, b_fc_c, w_proj, w_proj_c, b_proj, b_proj_c, residual):
     h = x.new_empty((x.shape[0], w_fc_c.shape[0]))
     return x.new_empty((x.shape[0], w_proj_c.shape[0])), h, torch.empty_like(h)
 
 
 def _setup_context(ctx, inputs, output):
-    x, w_fc, w_fc_c, b_fc, w_proj, w_proj_c, b_proj, residual = inputs
+    x, w_fc, w_fc_c, b_fc, _, w_proj, w_proj_c, b_proj, _, residual = inputs
     _, h, a = output
     ctx.dtypes = w_fc.dtype, b_fc.dtype, w_proj.dtype, b_proj.dtype
     ctx.residual = residual is not None
@@ -109,9 +112,11 @@ def _backward(ctx, dout, _dh, _da):
         mm_as(dh.t(), x, dw_fc),
         None,
         colsum(dh).to(db_fc),  # faster than Inductor's column sum here (colsum.py)
+        None,
         mm_as(dout.t(), a, dw_proj),
         None,
         dout.sum(0, dtype=torch.float32).to(db_proj),
+        None,
         dout if ctx.residual else None,  # residual: out's dtype and shape, so dout as it is
     )
 
@@ -119,15 +124,15 @@ def _backward(ctx, dout, _dh, _da):
 mlp_gelu.register_autograd(_backward, setup_context=_setup_context)
 
 
-def linear_add(a, w_c, b, residual):
-    """residual + a @ w_c.T + b as one cuBLASLt GEMM (C = residual, BIAS epilogue; out a new
-    buffer): a (M, K), w_c (N, K) and residual (M, N) contiguous, all in the compute dtype, b in
-    any. A residual that is not 16-byte aligned (which cublaslt.matmul refuses as C) gets addmm
+def linear_add(a, w_c, b_c, residual):
+    """residual + a @ w_c.T + b_c as one cuBLASLt GEMM (C = residual, BIAS epilogue; out a new
+    buffer): a (M, K), w_c (N, K), b_c (N,) and residual (M, N) contiguous, all in the compute
+    dtype. A residual that is not 16-byte aligned (which cublaslt.matmul refuses as C) gets addmm
     + add. The c_proj of the MLP (above) and of attention (attention.proj_residual)."""
     if residual.data_ptr() % 16:
-        return torch.addmm(b.to(a.dtype), a, w_c.t()).add_(residual)
+        return torch.addmm(b_c, a, w_c.t()).add_(residual)
     out = torch.empty_like(residual)
-    return matmul(a, w_c.t(), out, bias=b.to(a.dtype), c=residual, beta=1.0, epilogue=EPI_BIAS)
+    return matmul(a, w_c.t(), out, bias=b_c, c=residual, beta=1.0, epilogue=EPI_BIAS)
 
 
 def half_compute_dtype(x):
@@ -142,12 +147,12 @@ def as_compute(w, cast, dt):
     return cast if cast is not None and cast.dtype == dt else w.to(dt)
 
 
-def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None, casts=(None, None)):
+def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None, casts=(None,) * 4):
     """c_proj(gelu_tanh(c_fc(x))), plus residual if given (out's shape), for x (..., D) on CUDA,
     in bf16/fp16 or under such autocast; None where the epilogues do not apply (the caller then
-    runs residual + mlp_reference). casts: the weights' casts to the compute dtype where the
-    caller keeps them (gpt2_fused/core/weight_casts.py), else None: cast here. Only tensor
-    metadata is read here, so that Dynamo traces it into the graph."""
+    runs residual + mlp_reference). casts: the parameters' casts to the compute dtype, in their
+    order, where the caller keeps them (gpt2_fused/core/weight_casts.py), else None: cast here.
+    Only tensor metadata is read here, so that Dynamo traces it into the graph."""
     if not x.is_cuda or b_fc is None or b_proj is None:
         return None
     dt = half_compute_dtype(x)
@@ -162,8 +167,11 @@ def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None, casts=(None, None
         and tuple(residual.shape) == shape
     )
     r = residual.view(-1, shape[-1]) if fused else None  # (M, D)
-    w_fc_c, w_proj_c = (as_compute(w, c, dt) for w, c in zip((w_fc, w_proj), casts, strict=True))
-    out, _, _ = mlp_gelu(x, w_fc, w_fc_c, b_fc, w_proj, w_proj_c, b_proj, r)
+    params = (w_fc, b_fc, w_proj, b_proj)
+    w_fc_c, b_fc_c, w_proj_c, b_proj_c = (
+        as_compute(t, c, dt) for t, c in zip(params, casts, strict=True)
+    )
+    out, _, _ = mlp_gelu(x, w_fc, w_fc_c, b_fc, b_fc_c, w_proj, w_proj_c, b_proj, b_proj_c, r)
     out = out.view(shape)
     return out if residual is None or fused else residual + out
 
