@@ -99,14 +99,15 @@ def _train(model, steps, mode):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_kept_casts_train_as_per_call_casts():
     """Compiled with CUDA graphs (the casts as static inputs the optimizer rewrites between
-    replays), 4 steps: the same losses and weights, bit for bit, as the per-call casts."""
-    if not all(
-        b.mlp.use_cublaslt and b.attn.use_fast for b in _model("cuda", fast=None).transformer.h
-    ):
+    replays), 4 steps: the same losses and weights as the per-call casts, up to the order of
+    the embedding gradient's atomic adds (fp32; seen: wte and wpe 3.7e-9 apart, every Linear
+    bit for bit). A stale cast would be a step's update, ~lr = 3e-3, off."""
+    built = _model("cuda", fast=None).transformer.h
+    if not all(b.mlp.use_cublaslt and b.attn.use_fast for b in built):
         pytest.skip("the fast paths do not apply on this GPU")
     kept_losses, kept = _train(_model("cuda", fast=None), 4, "kept")
     ref_losses, ref = _train(_model("cuda", fast=None), 4, "per call")
-    assert kept_losses == ref_losses
+    assert kept_losses == pytest.approx(ref_losses, rel=0, abs=1e-5)
     assert len(set(kept_losses)) > 1  # it trained
     for a, b in zip(kept, ref, strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
