@@ -54,6 +54,9 @@ def test_attach_keeps_each_fast_linear_cast_through_steps():
             assert torch.equal(c, p.detach().to(torch.bfloat16))
     before = _model().transformer.h[0].attn.c_attn.weight
     assert (pairs[0][1].float() - before).abs().max() > 1e-3
+    model.load_state_dict(_model(seed=1).state_dict())  # a later load: the casts follow it
+    for p, c in pairs:
+        assert torch.equal(c, p.detach().to(torch.bfloat16))
     weight_casts.detach(model, opt)
     assert all(m.kept_casts == (None, None) for m in _linears(model)) and not opt.casts
 
@@ -67,6 +70,11 @@ def test_attach_only_where_the_optimizer_keeps_every_update():
     assert all(m.kept_casts == (None, None) for m in _linears(model))
     off = _model(fast=False)
     assert weight_casts.attach(off, MultiTensorAdamW(off.parameters()), torch.bfloat16) == 0
+    torch.manual_seed(0)
+    no_bias = GPT(GPTConfig(**KW, bias=False))  # the fast ops need biases
+    for block in no_bias.transformer.h:
+        block.attn.use_fast = block.mlp.use_cublaslt = True
+    assert weight_casts.attach(no_bias, MultiTensorAdamW(no_bias.parameters()), torch.bfloat16) == 0
     model.transformer.h[0].mlp.fp8_state = object()
     opt = MultiTensorAdamW(model.parameters())
     assert weight_casts.attach(model, opt, torch.float16) == 4 * KW["n_layer"] - 2

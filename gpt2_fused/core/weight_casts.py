@@ -13,7 +13,9 @@ A cast is right only while nothing but that optimizer changes its parameter. So 
 last in the set-up, after a resume has loaded the weights and DDP has broadcast rank 0's, and
 only where that optimizer updates every parameter itself. Nothing is attached under ZeRO-1 (each
 rank updates a shard, then broadcasts), FSDP2 (sharded parameters), torch's AdamW or --fp8
-(casts of its own). Evaluation, sampling and checkpoints read the parameters as before; a
+(casts of its own). A later model.load_state_dict copies the casts again (a hook); any other
+write to a parameter would leave its cast stale. Evaluation, sampling and checkpoints read the
+parameters as before; a
 Linear whose kept_casts are (None, None) (model.py's default) casts per call.
 """
 
@@ -25,14 +27,15 @@ SLOT = 8  # elements: each cast starts on a 16-byte boundary (the kernel's wide 
 
 
 def fast_linears(model):
-    """The Linears of model's blocks whose forwards read kept_casts (the fast paths)."""
+    """The Linears of model's blocks whose forwards read kept_casts (the fast paths; both ops
+    need biases, else they hand the call to torch's path)."""
     found = []
     for block in model.transformer.h:
         if block.attn.use_fast and block.attn.fp8_state is None:
             found += [block.attn.c_attn, block.attn.c_proj]
         if block.mlp.use_cublaslt and block.mlp.fp8_state is None:
             found += [block.mlp.c_fc, block.mlp.c_proj]
-    return found
+    return [m for m in found if m.bias is not None]
 
 
 def attach(model, optimizer, dtype):
@@ -64,6 +67,13 @@ def attach(model, optimizer, dtype):
     for m in linears:
         m.kept_casts = (casts[m.weight], casts.get(m.bias))
     optimizer.set_casts(casts)
+
+    def reload(module, incompatible_keys):  # weights loaded later: the casts follow them
+        with torch.no_grad():
+            for p, cast in optimizer.casts.items():
+                cast.copy_(p)
+
+    model.register_load_state_dict_post_hook(reload)
     return len(linears)
 
 
