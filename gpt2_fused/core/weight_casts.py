@@ -75,10 +75,3 @@ def attach(model, optimizer, dtype):
 
     model.register_load_state_dict_post_hook(reload)
     return len(linears)
-
-
-def detach(model, optimizer):
-    """Undo attach: the Linears cast per call again, the optimizer writes no casts."""
-    for m in fast_linears(model):
-        m.kept_casts = (None, None)
-    optimizer.casts = {}
