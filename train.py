@@ -25,7 +25,7 @@ from data import hellaswag
 from data.loader import DataLoader, iter_val_batches, open_data
 from data.shards import DataError
 from data.tokenizer import EOT, get_tokenizer
-from gpt2_fused.core import distributed, fp8, plot, sharding, weight_casts
+from gpt2_fused.core import compile_cache, distributed, fp8, plot, sharding, weight_casts
 from gpt2_fused.core.checkpoint import (
     CheckpointError,
     list_checkpoints,
@@ -369,6 +369,7 @@ def main(argv=None, train_loader=DataLoader):
                     finished = True
                     return
         if use_compile:  # compilation is lazy (first step, first eval): patched until the end
+            compile_cache.use_keyed_cache()  # not another version's custom-op graphs
             compile_settings.enter_context(compiler_settings(cfg))
         compile_and_wrap(run, use_compile, grad_accum)
         if cfg.fp8 == "off" and not shard.fully_sharded:  # last: the weights as resumed, broadcast

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from gpt2_fused.core.compile_cache import use_keyed_cache
+
 SHAPES = {"124M": (12, 768), "350M": (16, 1024), "774M": (20, 1280), "1558M": (25, 1600)}
 BACKENDS = {
     "torch pick": None,
@@ -160,6 +162,7 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--branch", action="store_true", help="the training branch, fwd + bwd")
     args = p.parse_args()
+    use_keyed_cache()  # not another version's custom-op graphs
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py times CUDA kernels: no GPU here")
     print(torch.cuda.get_device_name(), torch.__version__)

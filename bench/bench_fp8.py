@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from gpt2_fused.core.compile_cache import use_keyed_cache
 from gpt2_fused.core.fp8 import BLOCK_LINEARS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -251,6 +252,7 @@ def main():
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--lock", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    use_keyed_cache()  # not another version's custom-op graphs (children inherit it)
     if args.child:
         print("RESULT " + json.dumps(child(args, args.child)), flush=True)
         return

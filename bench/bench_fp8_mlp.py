@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from bench.common import events, timed, write_json, xl_shape_args
+from gpt2_fused.core.compile_cache import use_keyed_cache
 from gpt2_fused.kernels.attn_fp8 import attn_fp8, attn_fp8_reference, attn_state
 from gpt2_fused.kernels.fp8_gemm import E4, E5, scaled_mm
 from gpt2_fused.kernels.mlp import mlp_cublaslt
@@ -129,6 +130,7 @@ def gemm_floor(M, D, half):
 
 def main():
     args = xl_shape_args(__doc__, halves=True)
+    use_keyed_cache()  # not another version's custom-op graphs
     M, D = args.tokens, args.width
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(M // T, T, D, device="cuda", generator=g).bfloat16().requires_grad_(True)

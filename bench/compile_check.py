@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from gpt2_fused.core.compile_cache import use_keyed_cache
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,6 +93,7 @@ def main():
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script only")
     args = ap.parse_args()
+    use_keyed_cache()  # not another version's custom-op graphs
     variants = [(v, *parse_variant(v)) for v in args.variants.split(",")]
 
     torch.manual_seed(args.seed)

@@ -13,7 +13,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from data.shards import write_shard  # noqa: E402
+from gpt2_fused.core.compile_cache import use_keyed_cache
 from gpt2_fused.core.runlog import read_jsonl
+
+# the compiled tests' graphs come from this checkout's custom ops, not a cached older version's
+# (the tests' train.py subprocesses inherit the folder)
+use_keyed_cache()
 
 # what a finished run adds to its out_dir beside checkpoints and log.jsonl (with matplotlib only)
 LOSS_PNG = ["loss.png"] if importlib.util.find_spec("matplotlib") else []

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from gpt2_fused.core.compile_cache import use_keyed_cache
+
 MODES = ("graph", "compile", "eager", "recompute")
 LEN_MULTIPLE = 128  # cache lengths are rounded up to this: fewer distinct graphs to build
 
@@ -241,6 +243,7 @@ def _step(model, cache, tok, noise, temperature, top_k, top_p):
 @functools.cache
 def _compiled_step():
     # one wrapper for the process: Dynamo's compiled code is kept per wrapper (backend)
+    use_keyed_cache()  # not another version's custom-op graphs (GEMV ops)
     return torch.compile(_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
 
