@@ -4,10 +4,7 @@ custom ops' sources (a stale cached backward would otherwise survive an edit).""
 import os
 import shutil
 
-from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
-
 import train
-from gpt2_fused.core import compile_cache
 from gpt2_fused.core.compile_cache import ENV, OP_SOURCES, PREFIX, ROOT, ops_hash, use_keyed_cache
 
 
@@ -31,6 +28,8 @@ def test_the_hash_follows_the_op_sources_only(tmp_path):
 def test_torch_caches_in_the_keyed_folder(monkeypatch, tmp_path):
     """Under torch's own default folder, or under the one the user set; a second call, or one
     in a process that inherited another checkout's folder, gives this checkout's."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
     monkeypatch.delenv(ENV, raising=False)
     keyed = use_keyed_cache()
     assert keyed == os.path.join(default_cache_dir(), PREFIX + ops_hash())
@@ -53,4 +52,4 @@ def test_train_compiles_under_the_keyed_folder(monkeypatch, tmp_path, tiny_args)
     monkeypatch.setenv(ENV, str(tmp_path / "cache"))
     args = tiny_args + [f"--out_dir={tmp_path}", "--max_steps=1", "--eval_interval=0"]
     train.main(args + ["--compile=True"])
-    assert seen == [str(tmp_path / "cache" / (PREFIX + compile_cache.ops_hash()))]
+    assert seen == [str(tmp_path / "cache" / (PREFIX + ops_hash()))]
