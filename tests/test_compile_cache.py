@@ -2,6 +2,7 @@
 custom ops' sources (a stale cached backward would otherwise survive an edit)."""
 
 import os
+import re
 import shutil
 
 import train
@@ -53,3 +54,16 @@ def test_train_compiles_under_the_keyed_folder(monkeypatch, tmp_path, tiny_args)
     args = tiny_args + [f"--out_dir={tmp_path}", "--max_steps=1", "--eval_interval=0"]
     train.main(args + ["--compile=True"])
     assert seen == [str(tmp_path / "cache" / (PREFIX + ops_hash()))]
+
+
+def test_every_op_of_the_package_is_in_the_hashed_sources():
+    """A torch.library op defined outside OP_SOURCES would be missed by the hash."""
+    defines = re.compile(r"@(torch\.library\.)?(custom_op|triton_op)\(|\.register_autograd\(")
+    files = [
+        *ROOT.glob("*.py"),
+        *(ROOT / "gpt2_fused").rglob("*.py"),
+        *(ROOT / "data").rglob("*.py"),
+    ]
+    found = {p.relative_to(ROOT).as_posix() for p in files if defines.search(p.read_text())}
+    assert "gpt2_fused/kernels/mlp.py" in found  # the scan sees them
+    assert [p for p in found if not p.startswith(tuple(f + "/" for f in OP_SOURCES))] == []
