@@ -129,12 +129,17 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("pick", ["timed", "reference"])
+@pytest.mark.parametrize("pick", ["cublaslt", "reference"])
 def test_gpu_first_call_accumulates_once(pick, monkeypatch):
     """A key's first call with beta = 1 (timed on a zero stand-in) adds a @ b to out exactly once,
     whichever candidate wins; so do later calls, and a reference pick runs the reference."""
-    if pick == "reference":  # the caller's own GEMM wins the timing
-        monkeypatch.setattr(cublaslt, "_fastest", lambda runs, key: len(runs) - 1)
+    timed = cublaslt._fastest
+
+    def fastest(runs, key):  # every candidate still runs (on the stand-in); the pick is forced,
+        timed(runs, key)  # since which one wins at this small shape varies by machine
+        return 0 if pick == "cublaslt" else len(runs) - 1  # the caller's own GEMM is last
+
+    monkeypatch.setattr(cublaslt, "_fastest", fastest)
     torch.manual_seed(0)
     a = torch.randn(300, 96, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(96, 130, device="cuda", dtype=torch.bfloat16)
