@@ -396,6 +396,38 @@ def test_torch_compile_traces_the_custom_op():
         torch.testing.assert_close(a, b)
 
 
+@needs_kernels
+def test_compiled_backward_scales_without_the_in_place_op():
+    """Traced by torch.compile, the backward forms dx * g and dw * g as plain products, which
+    Inductor fuses into the kernels that read them; the in-place op would make it copy the saved
+    tensors first. The gradients match float64 torch's as in eager."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _example_inputs):
+        graphs.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    x, w, t = _make(32, 16, 48, 40, torch.float32, "cpu", seed=8)
+    upstream = torch.tensor(0.7)  # g != 1, so a missing or doubled scale shows
+
+    def f(x, w, t):
+        return fused_linear_cross_entropy(x, w, t, vocab_size=40)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+    compiled = _run(torch.compile(f, backend=backend, fullgraph=True), x, w, t, upstream)
+    ref64 = _run(linear_cross_entropy_reference, x.double(), w.double(), t, upstream.double(),
+                 vocab_size=40)  # fmt: skip
+    for o, r in zip(compiled, ref64, strict=True):
+        torch.testing.assert_close(o.double(), r.double(), rtol=1e-4, atol=1e-6)
+    forward, backward = graphs
+    assert "lce_forward" in forward and "scale_grads_" not in backward
+    assert backward.count("aten.mul") >= 2  # dx * g, dw * g
+
+
 def test_bad_inputs_raise_clear_errors():
     x, w, t = _make(8, 16, 32, 32, torch.float32, "cpu")
     f = fused_linear_cross_entropy
