@@ -13,32 +13,45 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-from data.shards import write_shard  # noqa: E402
-from gpt2_fused.core.compile_cache import use_keyed_cache
-from gpt2_fused.core.runlog import read_jsonl
-
-
-def _interpreter_scalars_as_indices():
-    """Triton 3.6's interpreter (torch 2.11's) holds a scalar as a 1-element array and turns it
-    into an int with int(array), which numpy 2.4 refuses for an array of one dimension, so a
-    kernel's `range` over a program id or a runtime size fails; 3.7 squeezes the array first.
-    Put in here for the interpreted tests, where the interpreter sets up a tensor's methods."""
+def _interpreter_fixes_for_older_versions():
+    """What the interpreted tests need from older Triton and torch, as newer ones do it:
+    - Triton 3.6's interpreter (torch 2.11's) holds a scalar as a 1-element array and makes it
+      an index with int(array), which numpy 2.4 refuses for an array of one dimension, so a
+      kernel's `range` over a program id or a runtime size fails; 3.7 squeezes the array first;
+    - torch 2.11's wrap_triton refuses the interpreter's kernels; 2.13 returns them as they are
+      (eager mode runs them). Before the kernel modules import it."""
+    import torch.library
     import triton
     from triton.runtime import interpreter
 
+    inherited_wrap = torch.library.wrap_triton
+
+    def wrap_triton(kernel):
+        return (
+            kernel
+            if isinstance(kernel, interpreter.InterpretedFunction)
+            else inherited_wrap(kernel)
+        )
+
+    torch.library.wrap_triton = wrap_triton
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7):
         return
-    inherited = interpreter._patch_lang_tensor
+    inherited_patch = interpreter._patch_lang_tensor
 
-    def patch(tensor, scope):
-        inherited(tensor, scope)
+    def patch_lang_tensor(tensor, scope):
+        inherited_patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
-    interpreter._patch_lang_tensor = patch
+    interpreter._patch_lang_tensor = patch_lang_tensor
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _interpreter_scalars_as_indices()
+    _interpreter_fixes_for_older_versions()
+
+
+from data.shards import write_shard  # noqa: E402
+from gpt2_fused.core.compile_cache import use_keyed_cache  # noqa: E402
+from gpt2_fused.core.runlog import read_jsonl  # noqa: E402
 
 # the compiled tests' graphs come from this checkout's custom ops, not a cached older version's
 # (the tests' train.py subprocesses inherit the folder)
