@@ -86,6 +86,7 @@ def test_preset_sets_shape_and_explicit_keys_win(tmp_path):
         (["--activation_memory_budget=1.5"], "activation_memory_budget"),
         (["--activation_memory_budget=0.9", "--dropout=0.1"], "dropout"),
         (["--buffer_reuse=some"], "buffer_reuse"),
+        (["--layernorm_partial_rows=-2"], "layernorm_partial_rows"),
         (["--ddp_compile=both"], "ddp_compile"),
         (["--grad_sync=once"], "grad_sync"),
         (["--grad_sync=step", "--shard=full"], "shard='full'"),

@@ -551,6 +551,30 @@ def test_persistent_rows_keeps_inner_rows_up_to_the_limit_in_registers():
         assert InductorChoices.should_use_persistent_reduction is original
 
 
+def test_layernorm_partial_rows_sets_inductors_split_for_the_run():
+    """The split sizes that bench_layernorm_grad measured best (or within 0.2 us of it) at
+    124M:8-64 and 1558M:4/16 (bench/RESULTS.md#layernorm-backwards-column-sums), Inductor's own
+    where none was measured; compiler_settings sets it for the context only."""
+    import torch._inductor.config as inductor_config
+
+    split = compile_guard.layernorm_split
+    assert [split(b * 1024, 768, -1) for b in (8, 16, 32, 64)] == [8, 16, 32, 64]
+    assert [split(b * 1024, 1600, -1) for b in (4, 16)] == [16, 64]
+    assert split(4 * 1024, 768, -1) is None  # 4 rows a program: not measured
+    assert split(12 * 1024, 768, -1) == 8  # down to a power of two
+    assert split(256 * 1024, 768, -1) is None  # over 128
+    assert split(8 * 1024, 768, 0) is None and split(8 * 1024, 768, 512) == 16
+
+    before = inductor_config.triton.mix_order_reduction_split_size
+    gpt124 = dict(n_layer=2, n_head=12, n_embd=768, block_size=1024)
+    for rows, want in ((-1, 8), (0, before), (256, 32)):
+        model = GPTConfig(**gpt124)
+        cfg = config.TrainConfig(batch_size=8, layernorm_partial_rows=rows, model=model)
+        with compile_guard.compiler_settings(cfg):
+            assert inductor_config.triton.mix_order_reduction_split_size == want
+        assert inductor_config.triton.mix_order_reduction_split_size == before
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("width", [1280, 1600])

@@ -25,6 +25,13 @@ INDUCTOR_PERSISTENT_ROWS = 1024
 # nats. Right graphs are within 6e-5 of eager mode's loss at the first step (124M to 1558M); the
 # wrong ones seen were 5e-3 to 4.6e-2 off
 COMPILE_CHECK_TOL = 2e-3
+# Inductor fuses each LayerNorm backward's dx with partial sums of dw and db, split_size rows a
+# program, then finishes them with an eager column sum. Its split_size (rows / (8 x SMs), clamped
+# to 16-128) leaves 512 partial rows at 124M:8, where ATen's sum is slowest; these many partial
+# rows were the best split or within 0.2 us of it at every shape measured, 768 wide (124M:8-64)
+# and 1600 wide (1558M:4, 16) (bench/RESULTS.md#layernorm-backwards-column-sums)
+LAYERNORM_PARTIAL_ROWS = 1024  # up to 1024 wide
+WIDE_LAYERNORM_PARTIAL_ROWS = 256  # wider
 
 
 # FLOP per layer of one micro-batch's forward and backward (model.flops_per_token) below which
@@ -187,6 +194,24 @@ def persistent_rows(limit):
         InductorChoices.should_use_persistent_reduction = staticmethod(inherited)
 
 
+def layernorm_split(rows, width, setting):
+    """Inductor's mix_order_reduction_split_size for LayerNorms over `rows` rows of `width`:
+    rows / the partial rows wanted (setting; -1: the constants above, by width), down to a power
+    of two; None (Inductor's own) for setting 0 or where that is under 8 or over 128 rows a
+    program (not measured)."""
+    if setting == 0:
+        return None
+    wide = width > INDUCTOR_PERSISTENT_ROWS
+    partial = (
+        setting if setting > 0 else WIDE_LAYERNORM_PARTIAL_ROWS if wide else LAYERNORM_PARTIAL_ROWS
+    )
+    split = rows // partial
+    if split < 8:
+        return None
+    split = 1 << (split.bit_length() - 1)
+    return split if split <= 128 else None
+
+
 @contextlib.contextmanager
 def compiler_settings(cfg):
     """torch.compile's global settings from cfg, for as long as the context lasts."""
@@ -195,6 +220,10 @@ def compiler_settings(cfg):
 
     inductor = dict(coordinate_descent_tuning=cfg.coordinate_descent_tuning)
     inductor.update(BUFFER_REUSE[cfg.buffer_reuse])
+    rows = cfg.batch_size * cfg.model.block_size
+    split = layernorm_split(rows, cfg.model.n_embd, cfg.layernorm_partial_rows)
+    if split is not None:
+        inductor["triton.mix_order_reduction_split_size"] = split
     budget = dict(activation_memory_budget=cfg.activation_memory_budget)
     with functorch_config.patch(**budget), inductor_config.patch(**inductor):
         with persistent_rows(cfg.persistent_rows):

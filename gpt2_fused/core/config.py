@@ -92,6 +92,11 @@ class TrainConfig:
     coordinate_descent_tuning: bool = setting(False, "Inductor block-size tuning while compiling")
     # Inductor's own limit is 1024: wider LayerNorms (774M, 1558M) would read their rows twice
     persistent_rows: int = setting(2048, "Inductor reduces rows up to this wide in registers")
+    # Inductor leaves each LayerNorm's dw and db as partial sums of this many rows, then sums
+    # them (compile_guard.layernorm_split): -1 picks 1024 up to 1024 wide, else 256
+    layernorm_partial_rows: int = setting(
+        -1, "LayerNorm dw/db partial sums (-1 auto, 0 Inductor's)"
+    )
     # "no_inplace": with in-place buffers torch.compile has produced wrong losses and gradients
     # at 774M and 1558M (bench/RESULTS.md#compile); no cost measured
     buffer_reuse: str = setting("no_inplace", "Inductor buffer reuse: all, no_inplace or none")
@@ -167,6 +172,11 @@ class TrainConfig:
         if cfg.persistent_rows < 1:
             raise ConfigError(
                 f"config key 'persistent_rows' must be >= 1, got {cfg.persistent_rows}"
+            )
+        if cfg.layernorm_partial_rows < -1:
+            raise ConfigError(
+                "config key 'layernorm_partial_rows' must be -1 (auto), 0 (Inductor's) or a row "
+                f"count, got {cfg.layernorm_partial_rows}"
             )
         if cfg.buffer_reuse not in BUFFER_REUSE:
             raise ConfigError(
