@@ -263,6 +263,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied
+        self.lm_head.kept_casts = (None, None)  # the fused loss reads weight's (weight_casts.py)
         # PaLM's z-loss coefficient of training-mode losses (train.py sets it from --z_loss). An
         # attribute, not a forward argument: a compiled graph takes it as a constant, where a
         # float argument that differs between validation (0) and training turns symbolic
@@ -340,11 +341,13 @@ class GPT(nn.Module):
             x = block(x)
         x = self.transformer.ln_f(x)
         if targets is not None:
-            loss_fn = (
-                fused_linear_cross_entropy
-                if self.config.loss_impl == "fast"
-                else linear_cross_entropy_reference
-            )
+            loss_fn, kw = linear_cross_entropy_reference, {}
+            if self.config.loss_impl == "fast":
+                loss_fn, cast = fused_linear_cross_entropy, self.lm_head.kept_casts[0]
+                dev = x.device.type
+                if cast is not None and torch.is_autocast_enabled(dev):
+                    if torch.get_autocast_dtype(dev) == cast.dtype:
+                        kw = dict(weight_cast=cast)
             return loss_fn(
                 x,
                 self.lm_head.weight,
@@ -352,6 +355,7 @@ class GPT(nn.Module):
                 vocab_size=self.config.vocab_size,
                 softcap=self.config.softcap or None,
                 z_loss=self.z_loss if self.training else 0.0,
+                **kw,
             )
         if not all_positions:
             x = x[:, -1:, :]  # keeps the time dim; a list index would be copied to the device

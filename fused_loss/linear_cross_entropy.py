@@ -240,7 +240,7 @@ def row_kernel_options(cfg, cuda):
 
 def lce_pass(
     x, w, y, g, *, ignore_index, vocab_size, want_grad, g_per_row,
-    bias=None, softcap=None, z_loss=0.0, label_smoothing=0.0, want_lse=False,
+    bias=None, softcap=None, z_loss=0.0, label_smoothing=0.0, want_lse=False, w_cast=None,
 ):  # fmt: skip
     """One chunked pass. x (N, D), w (V, D) (any float dtype), y (N,) int64, g: (1,) or (N,) fp32,
     or a function returning it (called once the first GEMM is queued); bias (V,) or None, and
@@ -249,11 +249,15 @@ def lce_pass(
     Returns per-row losses (N,) fp32, lse (N,) fp32 (empty unless want_lse) and, if want_grad,
     dx (N, D) in x's dtype, dw (V, D) in w's dtype and db (V,) in bias's (empty without bias), the
     gradients of sum_n g_n loss_n. The GEMMs run in x's dtype: w is cast to it (a temporary copy
-    when they differ, e.g. an fp32 master weight under autocast).
+    when they differ, e.g. an fp32 master weight under autocast), or w_cast is that cast, kept
+    by the optimizer (gpt2_fused/core/weight_casts.py).
     """
     dw_dtype = w.dtype
     x = x.contiguous()
-    w = w.contiguous() if w.dtype == x.dtype else w.to(x.dtype)
+    if w_cast is not None:
+        w = w_cast.contiguous()
+    else:
+        w = w.contiguous() if w.dtype == x.dtype else w.to(x.dtype)
     N, D = x.shape
     V = w.shape[0]
     dev = x.device
@@ -400,9 +404,11 @@ def _lce_forward(
     z_loss: float,
     label_smoothing: float,
     want_lse: bool,
+    w_cast: Optional[torch.Tensor],  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, lse, dx, dw, db); softcap 0 is off; the gradients are those of the loss when
-    want_grad and the reduction is "mean" or "sum", else empty."""
+    want_grad and the reduction is "mean" or "sum", else empty; w_cast: None or w in x's dtype,
+    used in place of a cast of w."""
 
     @functools.cache  # formed once, after lce_pass has queued its first GEMM
     def weight():  # "mean": 1 / (number of non-ignored targets), on device: no sync
@@ -414,7 +420,7 @@ def _lce_forward(
     losses, lse, dx, dw, db = lce_pass(
         x, w, y, weight, ignore_index=ignore_index, vocab_size=vocab_size, want_grad=grads,
         g_per_row=False, bias=bias, softcap=softcap or None, z_loss=z_loss,
-        label_smoothing=label_smoothing, want_lse=want_lse,
+        label_smoothing=label_smoothing, want_lse=want_lse, w_cast=w_cast,
     )  # fmt: skip
     loss = losses if reduction == "none" else losses.sum() * weight()[0]
     return loss, lse, dx, dw, db
@@ -422,7 +428,7 @@ def _lce_forward(
 
 @_lce_forward.register_fake
 def _(x, w, y, bias, ignore_index, vocab_size, reduction, want_grad, softcap, z_loss,
-      label_smoothing, want_lse):  # fmt: skip
+      label_smoothing, want_lse, w_cast):  # fmt: skip
     N, D = x.shape
     loss = x.new_empty((N,) if reduction == "none" else (), dtype=torch.float32)
     lse = x.new_empty(N if want_lse else 0, dtype=torch.float32)
@@ -501,7 +507,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_loss, _grad_lse, _grad_dx, _grad_dw, _grad_db):
-    nothing = (None,) * 12
+    nothing = (None,) * 13
     if grad_loss is None:  # gradients are not materialised: none reached the loss
         return nothing
     if ctx.reduction == "none":
@@ -548,6 +554,7 @@ def fused_linear_cross_entropy(
     z_loss=0.0,
     label_smoothing=0.0,
     return_lse=False,
+    weight_cast=None,
 ):
     """Cross-entropy of softmax(u) at `targets`, u = x @ weight[:vocab_size].T + bias, capped,
     without the (tokens, V) logits: the options and the math are linear_cross_entropy_reference's.
@@ -558,9 +565,12 @@ def fused_linear_cross_entropy(
     (shape of targets). softcap: u = softcap * tanh(u / softcap) (None: off). z_loss: adds
     z_loss * lse^2 per counted token. label_smoothing: as F.cross_entropy's, over the vocab_size
     real columns. return_lse: also return lse (shape of targets, fp32, no gradient).
-    Under autocast the matmuls run in the autocast dtype, as F.linear would. Gradients come back in
-    each input's own dtype. CUDA tensors run the Triton kernels; CPU tensors run them under the
-    Triton interpreter when TRITON_INTERPRET=1, else the torch reference (as does float64).
+    weight_cast: None, or weight already cast to the GEMMs' dtype (the optimizer keeps it,
+    gpt2_fused/core/weight_casts.py), read in place of a fresh cast; the gradient still goes to
+    weight. Under autocast the matmuls run in the autocast dtype, as F.linear would. Gradients
+    come back in each input's own dtype. CUDA tensors run the Triton kernels; CPU tensors run
+    them under the Triton interpreter when TRITON_INTERPRET=1, else the torch reference (as does
+    float64).
     """
     vocab_size = check_inputs(
         x, weight, targets, ignore_index, reduction, vocab_size, bias, softcap, z_loss,
@@ -575,6 +585,21 @@ def fused_linear_cross_entropy(
         return linear_cross_entropy_reference(x, weight, targets, **kw)
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
+    if weight_cast is not None and (
+        not isinstance(weight_cast, torch.Tensor)
+        or weight_cast.shape != weight.shape
+        or weight_cast.dtype != x.dtype
+        or weight_cast.device != weight.device
+    ):
+        got = (
+            f"{tuple(weight_cast.shape)} {weight_cast.dtype} on {weight_cast.device}"
+            if isinstance(weight_cast, torch.Tensor)
+            else type(weight_cast).__name__
+        )
+        raise ValueError(
+            f"weight_cast must be weight's shape {tuple(weight.shape)} in the GEMMs' dtype "
+            f"{x.dtype} on {weight.device}, got {got}"
+        )
     inputs = (x, weight) + (() if bias is None else (bias,))
     want_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     loss, lse, _, _, _ = _lce_forward(
@@ -590,6 +615,7 @@ def fused_linear_cross_entropy(
         float(z_loss),
         float(label_smoothing),
         bool(return_lse),
+        weight_cast,
     )
     loss = loss.view(targets.shape) if reduction == "none" else loss
     return (loss, lse.view(targets.shape)) if return_lse else loss

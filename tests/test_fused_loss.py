@@ -282,6 +282,32 @@ def test_autocast_fp32_master_weight():
 
 
 @needs_kernels
+def test_weight_cast_is_read_in_place_of_the_fresh_cast():
+    """weight_cast (the optimizer's kept bf16 copy) gives what the cast made per call gives, bit
+    for bit, with the gradient on the fp32 weight; the GEMMs read it (a different cast gives a
+    different loss); a cast of the wrong shape or dtype is refused."""
+    x, w, t = _make(32, 32, 64, 60, torch.float32, "cpu", seed=4)
+
+    def run(cast):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = fused_linear_cross_entropy(xs, ws, t, vocab_size=60, weight_cast=cast)
+        loss.backward()
+        return loss, xs.grad, ws.grad
+
+    fresh, kept = run(None), run(w.to(torch.bfloat16))
+    assert kept[2].dtype == torch.float32
+    for a, b in zip(fresh, kept, strict=True):
+        assert torch.equal(a, b)
+    other = run((w * 1.5).to(torch.bfloat16))
+    assert abs(other[0].item() - fresh[0].item()) > 1e-3
+    for bad in (w.to(torch.float16), w[:-1].to(torch.bfloat16), "w"):
+        with pytest.raises(ValueError, match="weight_cast must be"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                fused_linear_cross_entropy(x, w, t, vocab_size=60, weight_cast=bad)
+
+
+@needs_kernels
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_no_tokens(reduction):
     # An empty batch: loss 0 (mean over nothing is 0, as with all targets ignored), or an empty
