@@ -32,13 +32,14 @@ def fast_linears(model):
     """The Linears whose forwards read kept_casts: the blocks' on the fast paths (both ops need
     biases, else they hand the call to torch's path) and lm_head under the fused loss (its
     weight only)."""
-    found = [model.lm_head] if model.config.loss_impl == "fast" else []
+    found = []
     for block in model.transformer.h:
         if block.attn.use_fast and block.attn.fp8_state is None:
             found += [block.attn.c_attn, block.attn.c_proj]
         if block.mlp.use_cublaslt and block.mlp.fp8_state is None:
             found += [block.mlp.c_fc, block.mlp.c_proj]
-    return [m for m in found if m.bias is not None or m is model.lm_head]
+    head = [model.lm_head] if model.config.loss_impl == "fast" else []
+    return head + [m for m in found if m.bias is not None]
 
 
 def attach(model, optimizer, dtype):
