@@ -2,7 +2,7 @@
 compiled LayerNorm as the trainer runs it, forward + backward, for each of Inductor's mix-order
 split sizes and with the mix-order reduction off.
 
-    python -m bench.bench_layernorm_grad [--rows 8192,16384] [--width 768]
+    python -m bench.bench_layernorm_grad [--rows 8192,16384] [--width 768] [--only trainer,...]
 
 The function: h = LayerNorm(x) under bf16 autocast on a bf16 residual stream x (B T, C), fp32
 weight and bias, plus the residual itself, so that dx = d_residual + LayerNorm's backward of dh,
@@ -12,6 +12,9 @@ eager torch sum (ATen's reduce_kernel). Each variant's gradients are compared wi
 torch (the table's max err: all variants should agree, ~2e-3 from bf16), timed as a CUDA graph of
 20 forward + backward calls (median of --repeats replays), and profiled once outside the graph:
 µs a call in the Triton kernels, in ATen's reduce kernels and in memsets. Prints a table last.
+"trainer" is the trainer's split (compile_guard.layernorm_split), "trainer + row_sum" the same with
+the partial sums finished by colsum.row_sum (compile_guard.triton_partial_sums), counted in the
+Triton column.
 """
 
 import argparse
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import graph_us
+from gpt2_fused.core.compile_guard import layernorm_split, triton_partial_sums
 
 VARIANTS = {"inductor": {}, "off": {"triton.mix_order_reduction": False}} | {
     f"split {n}": {"triton.mix_order_reduction_split_size": n} for n in (8, 16, 32, 64, 128)
@@ -61,14 +65,14 @@ def kernel_us(step, calls=5):
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        kind = "triton" if e.name.startswith("triton_") else "other"
+        kind = "triton" if e.name.startswith(("triton_", "finish_kernel")) else "other"
         kind = "reduce" if "reduce_kernel" in e.name else kind
         kind = "memset" if "memset" in e.name.lower() else kind
         out[kind] += e.device_time / calls
     return out
 
 
-def measure(name, patch, rows, width, repeats):
+def measure(name, patch, rows, width, repeats, row_sum=False):
     torch._dynamo.reset()
     x, w, b, dh, dr = inputs(rows, width)
     fn = torch.compile(layernorm_residual, dynamic=False)
@@ -76,7 +80,7 @@ def measure(name, patch, rows, width, repeats):
     def step():
         return torch.autograd.grad(fn(x, w, b), (x, w, b), (dh, dr))
 
-    with torch._inductor.config.patch(patch):
+    with torch._inductor.config.patch(patch), triton_partial_sums(row_sum):
         got = step()  # compiles the forward and the backward under the patch
     want = reference(x, w, b, dh, dr)
     err = max(((g.double() - r).norm() / r.norm()).item() for g, r in zip(got, want, strict=True))
@@ -89,11 +93,19 @@ def main():
     ap.add_argument("--rows", default="8192,16384", help="B T values, comma-separated")
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--only", default="", help="variant names, comma-separated (default: all)")
     args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
     rows = []
     for n in map(int, args.rows.split(",")):
-        for name, patch in VARIANTS.items():
-            rows.append(measure(name, patch, n, args.width, args.repeats))
+        split = layernorm_split(n, args.width, -1)
+        trainer = {} if split is None else {"triton.mix_order_reduction_split_size": split}
+        variants = [(name, patch, False) for name, patch in VARIANTS.items()]
+        variants += [("trainer", trainer, False), ("trainer + row_sum", trainer, True)]
+        for name, patch, row_sum in variants:
+            if only and name not in only:
+                continue
+            rows.append(measure(name, patch, n, args.width, args.repeats, row_sum))
             print(rows[-1], flush=True)
     print("\n| rows | variant | µs fwd+bwd (graph) | Triton µs | reduce µs | memset µs | max err |")
     print("|---|---|---|---|---|---|---|")

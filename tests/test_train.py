@@ -575,6 +575,147 @@ def test_layernorm_partial_rows_sets_inductors_split_for_the_run():
         assert inductor_config.triton.mix_order_reduction_split_size == before
 
 
+# Inductor's finishing lines (torch/_inductor/codegen/simd.py) for a LayerNorm's dw and db at
+# 124M:8, the second cast to bf16 as a bf16 parameter's would be
+FINISHING = (
+    "buf9 = buf7[0 * 1024 * 768 : (0 + 1) * 1024 * 768].view(1024, 768).sum(dim=0)",
+    "buf10 = buf7[1 * 1024 * 768 : (1 + 1) * 1024 * 768].view(1024, 768).sum(dim=0)"
+    ".to(torch.bfloat16)",
+)
+
+
+def test_triton_partial_sums_rewrites_inductors_finishing_lines():
+    """Each finishing sum becomes colsum.row_sum of the same rows, anything after the sum kept;
+    other reductions and lines are left alone; the rewritten lines run (here in the Triton
+    interpreter) and give torch's sums."""
+    rewrite = compile_guard.row_sum_line
+    assert rewrite(FINISHING[0]) == (
+        "buf9 = row_sum(buf7[0 * 1024 * 768 : (0 + 1) * 1024 * 768].view(1024, 768))"
+    )
+    assert rewrite(FINISHING[1]).endswith(".view(1024, 768)).to(torch.bfloat16)")
+    for other in (
+        "buf9 = buf7[0 : 8].view(2, 4).amax(dim=0)",
+        "buf9 = buf7[0 : 8].view(2, 4).sum(dim=1)",
+        "buf9 = buf7.sum(dim=0)",
+        "buf9 = buf7[0 : 8].view(((s0 + 1) // 2), 4).sum(dim=0)",  # symbolic: left to torch
+        "del buf7",
+        None,
+    ):
+        assert rewrite(other) is None, other
+    buf7 = torch.randn(2 * 1024 * 768, generator=torch.Generator().manual_seed(0))
+    want, got = {"buf7": buf7, "torch": torch}, {"buf7": buf7, "torch": torch}
+    exec("\n".join(FINISHING), want)
+    exec("\n".join([compile_guard.ROW_SUM_IMPORT, *map(rewrite, FINISHING)]), got)
+    for name in ("buf9", "buf10"):
+        assert got[name].dtype == want[name].dtype
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-4)
+
+
+def test_inductor_still_writes_the_finishing_line_that_is_rewritten():
+    """The f-string torch formats each finishing sum from (a torch that writes it otherwise
+    leaves the patch without effect: this fails first)."""
+    import inspect
+
+    from torch._inductor.codegen.simd import SIMDScheduling
+
+    source = inspect.getsource(SIMDScheduling._codegen_mix_order_reduction)
+    template = "{buffer_name} = {ws_name}[{start} : {end}].view({nsplit}, {rnumel}).{opname}(dim=0)"
+    assert template in source
+    line = template.format(buffer_name="buf9", ws_name="buf7", start="0 * 1024 * 768",
+                           end="(0 + 1) * 1024 * 768", nsplit="1024", rnumel="768",
+                           opname="sum")  # fmt: skip
+    assert compile_guard.row_sum_line(line) is not None
+
+
+def test_triton_partial_sums_rewrites_what_the_mix_order_codegen_writes(monkeypatch):
+    """The patch rewrites the lines that Inductor's mix-order codegen writes, also when it calls
+    itself with its nodes swapped (as Inductor's does), only while it runs, and only in the
+    context; its tag joins the cache key after persistent_rows'."""
+    import types
+
+    import torch._inductor.config as inductor_config
+    from torch._inductor.codegen.simd import SIMDScheduling
+    from torch._inductor.virtualized import V
+
+    class Wrapper:
+        def __init__(self):
+            self.lines = []
+
+        def writeline(self, line):
+            self.lines.append(line)
+
+    def inductors(self, node1, node2):
+        if node1 > node2:
+            return self._codegen_mix_order_reduction(node2, node1)
+        for line in ("# Call mix order reduction kernel", *FINISHING):
+            V.graph.wrapper_code.writeline(line)
+
+    monkeypatch.setattr(SIMDScheduling, "_codegen_mix_order_reduction", inductors)
+    sched = SIMDScheduling.__new__(SIMDScheduling)
+    graph = types.SimpleNamespace(wrapper_code=Wrapper())
+    with V.set_graph_handler(graph):
+        with compile_guard.persistent_rows(2048), compile_guard.triton_partial_sums():
+            tag = inductor_config.post_grad_custom_post_pass.uuid()
+            sched._codegen_mix_order_reduction(2, 1)
+            graph.wrapper_code.writeline(FINISHING[0])  # outside the codegen: as it is
+        sched._codegen_mix_order_reduction(1, 2)  # outside the context: as it is
+        with compile_guard.triton_partial_sums(enabled=False):
+            assert SIMDScheduling._codegen_mix_order_reduction is inductors
+    assert tag == "persistent_rows=2048,triton_partial_sums"
+    assert inductor_config.post_grad_custom_post_pass is None
+    assert SIMDScheduling._codegen_mix_order_reduction is inductors
+    assert "writeline" not in vars(graph.wrapper_code)
+    row_sums = [compile_guard.ROW_SUM_IMPORT, compile_guard.row_sum_line(FINISHING[0])]
+    row_sums += [compile_guard.ROW_SUM_IMPORT, compile_guard.row_sum_line(FINISHING[1])]
+    kernel = ["# Call mix order reduction kernel"]
+    assert graph.wrapper_code.lines == kernel + row_sums + [FINISHING[0]] + kernel + [*FINISHING]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows, width", [(16384, 768), (16384, 1600)])
+def test_gpu_layernorm_backward_sums_are_finished_by_row_sum(rows, width):
+    """A block's LayerNorm (bf16 stream, fp32 weight and bias) compiled forward and backward
+    under the trainer's settings: its dw and db partial sums end in colsum.row_sum, not in
+    torch's sum, and the gradients match float64 torch as closely as with torch's sum."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator("cuda").manual_seed(rows + width)
+    x = torch.randn(rows, width, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (1 + 0.1 * torch.randn(width, device="cuda", generator=g)).requires_grad_()
+    b = (0.1 * torch.randn(width, device="cuda", generator=g)).requires_grad_()
+    dh, dr = torch.randn(2, rows, width, device="cuda", generator=g).bfloat16().unbind(0)
+
+    def block(x, w, b):  # the LayerNorm's output and the residual stream it leaves alone
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = torch.nn.functional.layer_norm(x, (width,), w, b)
+        return h.to(torch.bfloat16), x * 1.0
+
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    h64 = torch.nn.functional.layer_norm(x64, (width,), w64, b64)
+    want = torch.autograd.grad((h64, x64), (x64, w64, b64), (dh.double(), dr.double()))
+    errs = {}
+    for enabled in (True, False):
+        torch._dynamo.reset()
+        cfg = config.TrainConfig(batch_size=rows // 1024, triton_partial_sums=enabled)
+        fn = torch.compile(block)
+
+        def step(fn=fn):
+            return torch.autograd.grad(fn(x, w, b), (x, w, b), (dh, dr))
+
+        fresh = inductor_config.patch(force_disable_caches=True)
+        with compile_guard.compiler_settings(cfg), fresh:
+            got, codes = run_and_get_code(step)
+        code = "\n".join(codes)
+        assert ("row_sum(" in code) == enabled and (".sum(dim=0)" in code) != enabled, code
+        errs[enabled] = [
+            ((u.double() - v).norm() / v.norm()).item() for u, v in zip(got, want, strict=True)
+        ]
+    assert all(e < 1e-2 for e in errs[True]), errs
+    assert all(a <= 1.01 * c + 1e-7 for a, c in zip(errs[True], errs[False], strict=True)), errs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("width", [1280, 1600])

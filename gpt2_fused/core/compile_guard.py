@@ -9,6 +9,7 @@ eager forward's on the same batch.
 """
 
 import contextlib
+import re
 
 import torch
 import torch.distributed as dist
@@ -159,27 +160,37 @@ def _row_is_persistent(features, cooperative_reduction, limit, inherited):
     return inherited(features, cooperative_reduction)
 
 
+def _cache_tag(tag):
+    """A no-op post-grad pass whose uuid carries `tag` into Inductor's and AOTAutograd's cache keys
+    (with the tags of the pass it replaces, which it still runs), so that a graph compiled under
+    another patch of Inductor is not reused from disk."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    inner = inductor_config.post_grad_custom_post_pass
+
+    class CacheTag(CustomGraphPass):
+        def __call__(self, graph):
+            if inner is not None:
+                inner(graph)
+
+        def uuid(self):
+            return tag if inner is None else f"{inner.uuid()},{tag}"
+
+    return inductor_config.patch(post_grad_custom_post_pass=CacheTag())
+
+
 @contextlib.contextmanager
 def persistent_rows(limit):
     """Inductor reduces rows of up to `limit` elements in registers while the context lasts, so
     LayerNorm at 1280 and 1600 wide (774M, 1558M) reads its inputs once, not twice
     (bench/RESULTS.md#persistent-layernorm-rows). Inductor's heuristic is a static method of
     InductorChoices: patched for every thread (the backward compiles in autograd's), and `limit`
-    joins Inductor's cache key through a no-op post-grad pass, so a cached graph of another limit
-    is not reused."""
+    joins Inductor's cache key (_cache_tag)."""
     if limit <= INDUCTOR_PERSISTENT_ROWS:
         yield
         return
-    import torch._inductor.config as inductor_config
     from torch._inductor.choices import InductorChoices
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    class CacheTag(CustomGraphPass):
-        def __call__(self, graph):
-            pass
-
-        def uuid(self):
-            return f"persistent_rows={limit}"
 
     inherited = InductorChoices.should_use_persistent_reduction
 
@@ -188,10 +199,75 @@ def persistent_rows(limit):
 
     InductorChoices.should_use_persistent_reduction = staticmethod(wide)
     try:
-        with inductor_config.patch(post_grad_custom_post_pass=CacheTag()):
+        with _cache_tag(f"persistent_rows={limit}"):
             yield
     finally:
         InductorChoices.should_use_persistent_reduction = staticmethod(inherited)
+
+
+# The eager line Inductor's wrapper finishes each partial sum of a mix-order reduction with
+# (torch/_inductor/codegen/simd.py), "buf9 = buf7[0 * 786432 : (0 + 1) * 786432].view(1024,
+# 768).sum(dim=0)", where a ".to(dtype)" or ".view(shape)" may follow
+FINAL_SUM = re.compile(
+    r"(?P<lhs>\w+ = )(?P<rows>\w+\[[^\]]*\]\.view\([^()]*\))\.sum\(dim=0\)(?P<rest>.*)"
+)
+ROW_SUM_IMPORT = "from gpt2_fused.kernels.colsum import row_sum"
+
+
+def row_sum_line(line):
+    """Inductor's finishing line with colsum.row_sum in place of torch's sum (None: not one)."""
+    m = FINAL_SUM.fullmatch(line) if isinstance(line, str) else None
+    return None if m is None else f"{m['lhs']}row_sum({m['rows']}){m['rest']}"
+
+
+@contextlib.contextmanager
+def triton_partial_sums(enabled=True):
+    """While the context lasts, Inductor's generated code finishes the partial sums of a mix-order
+    reduction (each LayerNorm backward's dw and db: (P, C) fp32, P ~1024) with colsum.row_sum,
+    one Triton launch, instead of ATen's column sum, which at these shapes splits the rows over
+    blocks that meet at a semaphore: a memset and a kernel of 6-11 us each, two of each per
+    LayerNorm (bench/RESULTS.md#layernorm-backwards-column-sums). The same sum in another order.
+
+    Inductor writes those lines one by one into its wrapper; the patch wraps its mix-order
+    codegen (a method of SIMDScheduling, for every thread) and rewrites them as they are
+    written. Where this torch has no such method, or a C++ wrapper is asked for, nothing
+    changes. Joins the cache key (_cache_tag)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.codegen.simd import SIMDScheduling
+
+    inherited = getattr(SIMDScheduling, "_codegen_mix_order_reduction", None)
+    if not enabled or inherited is None or inductor_config.cpp_wrapper:
+        yield
+        return
+
+    def codegen(self, node1, node2):
+        from torch._inductor.virtualized import V
+
+        wrapper = V.graph.wrapper_code
+        saved = wrapper.__dict__.get("writeline")  # set when this call is nested in another
+        writeline = wrapper.writeline
+
+        def rewrite(line):
+            new = row_sum_line(line)
+            if new is not None:
+                writeline(ROW_SUM_IMPORT)  # a sys.modules look-up after the first
+            writeline(line if new is None else new)
+
+        wrapper.writeline = rewrite
+        try:
+            return inherited(self, node1, node2)
+        finally:
+            if saved is None:
+                del wrapper.writeline
+            else:
+                wrapper.writeline = saved
+
+    SIMDScheduling._codegen_mix_order_reduction = codegen
+    try:
+        with _cache_tag("triton_partial_sums"):
+            yield
+    finally:
+        SIMDScheduling._codegen_mix_order_reduction = inherited
 
 
 def layernorm_split(rows, width, setting):
@@ -226,5 +302,5 @@ def compiler_settings(cfg):
         inductor["triton.mix_order_reduction_split_size"] = split
     budget = dict(activation_memory_budget=cfg.activation_memory_budget)
     with functorch_config.patch(**budget), inductor_config.patch(**inductor):
-        with persistent_rows(cfg.persistent_rows):
+        with persistent_rows(cfg.persistent_rows), triton_partial_sums(cfg.triton_partial_sums):
             yield

@@ -97,6 +97,9 @@ class TrainConfig:
     layernorm_partial_rows: int = setting(
         -1, "LayerNorm dw/db partial sums (-1 auto, 0 Inductor's)"
     )
+    # ...and finishes them with ATen's column sum (a memset and a kernel each) unless this swaps
+    # in one Triton launch (compile_guard.triton_partial_sums)
+    triton_partial_sums: bool = setting(True, "LayerNorm dw/db partial sums finished by Triton")
     # "no_inplace": with in-place buffers torch.compile has produced wrong losses and gradients
     # at 774M and 1558M (bench/RESULTS.md#compile); no cost measured
     buffer_reuse: str = setting("no_inplace", "Inductor buffer reuse: all, no_inplace or none")

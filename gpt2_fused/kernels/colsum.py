@@ -3,6 +3,7 @@ read it once; optionally laid out as the concatenation of three (M, C) parts as 
 
     colsum(t)             t (M, N) -> sum_m t[m] (N,) fp32
     qkv_grad(dq, dk, dv)  each (M, C) -> ([dq | dk | dv] (M, 3C), its column sums (3C,) fp32)
+    row_sum(t)            t (P, N) fp32, a short stack of partial sums -> sum_p t[p] (N,) fp32
 
 Why: the bias gradients of GPT-2's c_fc (M, 4C) and c_attn (M, 3C) are column sums over M = B T
 rows (32K at 124M:32). Inductor's reduction for them runs well below the HBM bandwidth at these
@@ -17,6 +18,10 @@ their fp32 sums to partial row p. Pass 2 (finish_kernel) adds the P partial rows
 of the additions is fixed, so the result is the same from run to run (no atomics). Under the CPU
 interpreter the same kernels run (16-bit values are only loaded, stored and widened to fp32).
 colsum_reference / qkv_grad_reference are the same in torch.
+row_sum is pass 2 alone, launched for P of a few hundred to a thousand rows: the partial dw and
+db sums that Inductor leaves for each LayerNorm backward (compile_guard.triton_partial_sums has
+its generated code call row_sum in place of ATen's column sum, which at these shapes takes a
+memset and 6-11 us; bench/RESULTS.md#layernorm-backwards-column-sums). Its reference is t.sum(0).
 Both ops are torch.library.triton_ops: called eagerly they launch the kernels themselves; inside
 torch.compile's region (the training step's backward) Inductor sees through them and launches
 the kernels from its own generated code, without the dispatcher's and Triton's Python launcher's
@@ -101,6 +106,30 @@ def finish_kernel(part_ptr, out_ptr, P, N, BP: tl.constexpr, BN: tl.constexpr):
             part_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0
         )
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < N)
+
+
+# row_sum's launch: the widest columns a program (from 8) that leave no more programs than SMs,
+# so that ~100 programs share a 768- or 1600-wide stack (4-8 KB of fp32 a row block each), and
+# elements a program adds per step
+ROW_SUM_TILE = 4096
+
+
+def row_sum(t):
+    """The sum of the rows of t (P, N) fp32, row-major: (N,) fp32, added in row order (the same
+    bits every call), one launch. A plain function, not an op: Inductor's generated wrapper calls
+    it (compile_guard.triton_partial_sums), so no dispatcher sits in front of the launch."""
+    if t.dim() != 2 or t.dtype != torch.float32 or t.stride() != (t.shape[1], 1):
+        raise ValueError(f"row_sum: a row-major (P, N) fp32 tensor, got {t.dtype} "
+                         f"{tuple(t.shape)} strides {t.stride()}")  # fmt: skip
+    P, N = t.shape
+    programs = num_sms(t.device.index) if t.is_cuda else 4
+    BN = 8
+    while BN < 256 and triton.cdiv(N, BN) > programs:
+        BN *= 2
+    BP = min(triton.next_power_of_2(max(P, 1)), max(1, ROW_SUM_TILE // BN))
+    out = torch.empty(N, device=t.device, dtype=torch.float32)
+    finish_kernel[(triton.cdiv(N, BN),)](t, out, P, N, BP=BP, BN=BN)
+    return out
 
 
 def _launch(parts, M, C, three):
