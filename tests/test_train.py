@@ -602,7 +602,8 @@ def test_triton_partial_sums_rewrites_inductors_finishing_lines():
         None,
     ):
         assert rewrite(other) is None, other
-    buf7 = torch.randn(2 * 1024 * 768, generator=torch.Generator().manual_seed(0))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs it on CPU
+    buf7 = torch.randn(2 * 1024 * 768, device=dev, generator=torch.Generator(dev).manual_seed(0))
     want, got = {"buf7": buf7, "torch": torch}, {"buf7": buf7, "torch": torch}
     exec("\n".join(FINISHING), want)
     exec("\n".join([compile_guard.ROW_SUM_IMPORT, *map(rewrite, FINISHING)]), got)
