@@ -3,6 +3,7 @@
 several share from bench.common, never from one another. Their results go to bench/RESULTS.md.
 
     throughput          training tok/s of the real train.py, default against plain (the gate's)
+    peer_nanogpt        nanoGPT's own model.py trained as its train.py does: the same-call peer
     parity              train.py's data order against an independent sampler: val loss curves
     compile_check       a compiled training step against eager mode, per compile variant
     bench_fused_loss    the fused linear + cross-entropy against torch, torch.compile, Liger, CCE

@@ -1,7 +1,8 @@
 """The benchmark scripts' own arithmetic (no GPU): step statistics, the first-loss check,
 bench_fused_loss's --set parsing, the loss variants' launch settings, bench_adamw's Triton AdamW
-against torch's (in the Triton interpreter, see conftest.py), parity.py's reference sampler, and
-that bench/__init__ lists every benchmark."""
+against torch's (in the Triton interpreter, see conftest.py), parity.py's reference sampler,
+peer_nanogpt's handling of a missing or broken checkout, and that bench/__init__ lists every
+benchmark."""
 
 import json
 import os
@@ -19,6 +20,7 @@ from bench import (
     bench_fused_loss,
     common,
     parity,
+    peer_nanogpt,
     shard_memory,
     throughput,
 )
@@ -356,3 +358,17 @@ def test_step_timeline_counts_only_the_profiled_steps_on_the_gpu():
     assert set(res["kind_ms_per_step"]) == {"cuBLAS GEMM", "AdamW", "cuDNN attention"}
     unmarked = summarise([e for e in events if e["cat"] != "gpu_user_annotation"], 2)
     assert unmarked["span_ms_per_step"] == pytest.approx(0.8 / 2)  # no ranges: the whole trace
+
+
+def test_peer_nanogpt_refuses_a_folder_without_model_py(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["peer_nanogpt", "--nanogpt", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no model.py in"):
+        peer_nanogpt.main()
+
+
+def test_peer_nanogpt_reports_the_childs_error_and_no_speed(tmp_path):
+    """A checkout whose model.py fails: the run says why (its last lines) and has no tok/s."""
+    (tmp_path / "model.py").write_text("raise ImportError('not the nanoGPT this expects')\n")
+    r = peer_nanogpt.run(str(tmp_path), "124M", 8, steps=3, warmup=1, bias=False, timeout=120)
+    assert r["rc"] != 0 and "tok_per_s" not in r
+    assert "not the nanoGPT this expects" in r["error"]

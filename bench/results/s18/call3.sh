@@ -1,0 +1,13 @@
+# Session 18, call 3: nanoGPT's model (bench/peer_nanogpt.py, bias off) and our default at 124M:8/16/32/64, one call
+set -u
+out=$1; mkdir -p "$out"; export PYTHONUNBUFFERED=1; start=$(date +%s)
+el() { echo $(( $(date +%s) - start )); }
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpu.txt"
+timeout 270 python3 -m bench.peer_nanogpt --nanogpt .gpu/nanogpt --runs 124M:8,124M:16,124M:32,124M:64 \
+    --out $out/peer 2>&1 | grep -E "^\||rror" | tee "$out/peer.txt"
+echo "peer done at $(el) s"
+left=$(( 520 - $(el) ))
+timeout $left python3 -m bench.throughput --runs 124M:8:30:10,124M:16:30:10,124M:32:30:10,124M:64:20:8 --impls default \
+    --time-budget $((left - 5)) --out /tmp/tp_d 2>&1 | grep -E '^\||WARN|Error|error' | tee "$out/tp_default.txt"
+cp /tmp/tp_d/throughput.json "$out/tp_default.json" 2>/dev/null
+echo "total $(el) s"
