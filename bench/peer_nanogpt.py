@@ -24,8 +24,7 @@ import subprocess
 import sys
 import time
 
-PRESETS = {"124M": (12, 12, 768), "350M": (24, 16, 1024), "774M": (36, 20, 1280),
-           "1558M": (48, 25, 1600)}  # fmt: skip
+from model import GPTConfig  # this repo's, for the presets' sizes (the child imports nanoGPT's)
 
 CHILD = r"""
 import json, statistics, sys, time
@@ -73,8 +72,9 @@ print("RESULT " + json.dumps(dict(ms=statistics.median(ms), loss_first=first_los
 
 
 def run(nanogpt, model, batch, steps, warmup, bias, timeout=900):
-    args = dict(nanogpt=os.path.abspath(nanogpt), shape=PRESETS[model], batch=batch,
-                steps=steps, warmup=warmup, bias=bias)  # fmt: skip
+    c = GPTConfig.from_preset(model)
+    args = dict(nanogpt=os.path.abspath(nanogpt), shape=(c.n_layer, c.n_head, c.n_embd),
+                batch=batch, steps=steps, warmup=warmup, bias=bias)  # fmt: skip
     t0 = time.time()
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True,
                        text=True, timeout=timeout)  # fmt: skip
@@ -105,6 +105,8 @@ def main():
     for spec in args.runs.split(","):
         model, batch, *rest = spec.split(":")
         steps, warmup = (int(rest[0]), int(rest[1])) if rest else (args.steps, args.warmup)
+        if not 2 <= warmup < steps:  # step 1 ends the start-up; a median needs a timed step
+            sys.exit(f"error: {spec}: need 2 <= warmup < steps, got {warmup} and {steps}")
         r = run(args.nanogpt, model, int(batch), steps, warmup, args.bias)
         results.append(r)
         if r["rc"]:
