@@ -33,8 +33,9 @@ from gpt2_fused.kernels.device import launch_overrides, num_sms
 
 # (BM, BN, BK, num_warps, num_stages) of exp_gemm.LAUNCH["cuda"]: its own, then other tiles
 CONFIGS = {
+    "128x256x64 w8 s4": (128, 256, 64, 8, 4),
     "128x256x64 w8 s3": (128, 256, 64, 8, 3),
-    "256x128x64 w8 s3": (256, 128, 64, 8, 3),
+    "128x256x32 w8 s6": (128, 256, 32, 8, 6),
 }
 CHUNKS = {"124M master (6554 rows)": (6554, 768), "1558M master (3277 rows)": (3277, 1600),
           "124M bf16 w (1725 rows)": (1725, 768)}  # fmt: skip

@@ -46,9 +46,9 @@ from gpt2_fused.kernels.interpreter import to_dtype
 REBASE = 64.0  # nats: E <= e^64 and S <= V e^64 stay finite in bf16 / fp32
 
 # tiles and launch of the GEMM, by device ("cpu": the interpreter, small tiles); other tiles and
-# stages are timed by bench/bench_exp_gemm.py (bench/RESULTS.md#fused-loss)
+# stages are timed by bench/bench_exp_gemm.py (bench/RESULTS.md#logits-gemm-epilogue)
 LAUNCH = {
-    "cuda": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
+    "cuda": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),
     "cpu": dict(BM=16, BN=16, BK=16, num_warps=1, num_stages=1),
 }
 
@@ -90,10 +90,57 @@ def target_logit_kernel(
 
 
 @triton.jit
+def _tile_logits(acc, cols, b_ptr, softcap, V, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The logits u of fp32 accumulators acc (BM, C) of columns cols (C,): bias, then cap."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+    if SOFTCAP:
+        acc = softcap * _tanh(acc / softcap)
+    return acc
+
+
+@triton.jit
+def _half_max(u, cols, c, vocab_size, ALL_ROWS: tl.constexpr):
+    """Row max of the logits u (BM, C) over the real columns, less c with ALL_ROWS."""
+    real = (cols < vocab_size)[None, :]  # the padded columns' select runs on every tile: in a
+    # branch of its own (the padded tile only) ptxas waits for each wgmma before the next
+    if ALL_ROWS:
+        return tl.max(tl.where(real, u - c[:, None], float("-inf")), axis=1)
+    return tl.max(tl.where(real, u, float("-inf")), axis=1)
+
+
+@triton.jit
+def _half_exp(
+    u, cols, c, k, live, softcap, vocab_size, REBASE: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALL_ROWS: tl.constexpr,
+):  # fmt: skip
+    """E (BM, C) of the logits u at the base c + k REBASE (0 in padded columns and dead rows),
+    times du/dz with SOFTCAP, and its row sums (before that factor; with ALL_ROWS dead rows'
+    too)."""
+    real = (cols < vocab_size)[None, :]
+    if ALL_ROWS:
+        t = tl.where(real, u - c[:, None], float("-inf"))
+        e = tl.exp2((t - (k * REBASE)[:, None]) * LOG2E)
+        s = tl.sum(e, axis=1)
+        e = tl.where(live[:, None], e, 0.0)
+    else:
+        # E = exp2(u log2(e) - (c + k REBASE) log2(e)): one FMA and one exp an element (the
+        # offset's rounding, ~2e-6 in the exponent for |c| < 64, is far below E's bf16 one); a
+        # dead row's -inf offset gives its zeros
+        offset = tl.where(live, -(c + k * REBASE) * LOG2E, float("-inf"))
+        e = tl.exp2(tl.where(real, u, float("-inf")) * LOG2E + offset[:, None])
+        s = tl.sum(e, axis=1)
+    if SOFTCAP:  # G carries du/dz = 1 - (u / softcap)^2
+        a = u / softcap
+        e = e * (1.0 - a * a)
+    return e, s
+
+
+@triton.jit
 def exp_logits_kernel(
     x_desc,  # (n, D) block [BM, BK]
     w_desc,  # (V, D) block [BN, BK]
-    e_desc,  # (n, V) out, block [BM, BN]: E (0 in padded columns and dead rows)
+    e_desc,  # (n, V) out, block [BM, BN // 2]: E (0 in padded columns and dead rows)
     c_ptr,  # (n,) fp32 reference per row
     y_ptr,  # (n,) int64
     s_ptr,  # (n, T) fp32 out: partial sums per tile
@@ -129,42 +176,33 @@ def exp_logits_kernel(
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b.T, acc)
         rows = pid_m * BM + tl.arange(0, BM)
-        cols = pid_n * BN + tl.arange(0, BN)
         in_rows = rows < n_rows
         y = tl.load(y_ptr + rows, mask=in_rows, other=ignore_index)
         live = (y != ignore_index) & (y >= 0) & (y < vocab_size)
         c = tl.load(c_ptr + rows, mask=in_rows, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
-        if SOFTCAP:
-            acc = softcap * _tanh(acc / softcap)
-        # Few instructions an element: the epilogue is not overlapped with the MMAs, so its issue
-        # slots and MUFU exps are what it costs. The padded columns' select runs on every tile:
-        # reading the accumulators in a branch of their own (the padded tile only) makes ptxas
-        # wait for each wgmma before the next (bench/RESULTS.md#fused-loss).
-        real = (cols < vocab_size)[None, :]  # the padded columns' mask
+        # The epilogue runs between the MMAs, not beside them, so it is kept short: in two halves
+        # of BN / 2 columns, the first half's TMA store of E goes on while the second's exps run,
+        # and E's staging buffer is half as big, which leaves room for a 4th stage of operands
+        # (bench/RESULTS.md#logits-gemm-epilogue). The split is a renaming of registers.
+        z0, z1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+        cols0 = pid_n * BN + tl.arange(0, BN // 2)
+        cols1 = cols0 + BN // 2
+        z0 = _tile_logits(z0, cols0, b_ptr, softcap, V, HAS_BIAS, SOFTCAP)
+        z1 = _tile_logits(z1, cols1, b_ptr, softcap, V, HAS_BIAS, SOFTCAP)
+        top = tl.maximum(
+            _half_max(z0, cols0, c, vocab_size, ALL_ROWS),
+            _half_max(z1, cols1, c, vocab_size, ALL_ROWS),
+        )
         if ALL_ROWS:  # sums of dead rows too (their lse), whose base may go below c = 0
-            t = tl.where(real, acc - c[:, None], float("-inf"))
-            k = tl.ceil((tl.max(t, axis=1) - REBASE) / REBASE)
-            k = tl.maximum(k, tl.where(live, 0.0, -1e6))
-            e = tl.exp2((t - (k * REBASE)[:, None]) * LOG2E)
-            tl.store(s_ptr + rows * T + pid_n, tl.sum(e, axis=1), mask=in_rows)
-            e = tl.where(live[:, None], e, 0.0)
-        else:
-            # a live row's max is at least c, so its base k >= 0. The row max is taken before c is
-            # subtracted, and E = exp2(u log2(e) - (c + k REBASE) log2(e)) is one FMA and one exp
-            # an element (the offset's rounding, ~2e-6 in the exponent for |c| < 64, is far below
-            # E's bf16 one); a dead row's -inf offset gives its zeros
-            u = tl.where(real, acc, float("-inf"))
-            k = tl.maximum(tl.ceil((tl.max(u, axis=1) - c - REBASE) / REBASE), 0.0)
-            offset = tl.where(live, -(c + k * REBASE) * LOG2E, float("-inf"))
-            e = tl.exp2(u * LOG2E + offset[:, None])
-            tl.store(s_ptr + rows * T + pid_n, tl.sum(e, axis=1), mask=in_rows)
-        if SOFTCAP:  # G carries du/dz = 1 - (u / softcap)^2
-            a = acc / softcap
-            e = e * (1.0 - a * a)
+            k = tl.maximum(tl.ceil((top - REBASE) / REBASE), tl.where(live, 0.0, -1e6))
+        else:  # a live row's max is at least c, so its base k >= 0
+            k = tl.maximum(tl.ceil((top - c - REBASE) / REBASE), 0.0)
         tl.store(k_ptr + rows * T + pid_n, k.to(tl.int32), mask=in_rows)
-        e_desc.store([pid_m * BM, pid_n * BN], to_dtype(e, e_desc.dtype, INTERPRETED))
+        e0, s0 = _half_exp(z0, cols0, c, k, live, softcap, vocab_size, REBASE, SOFTCAP, ALL_ROWS)
+        e_desc.store([pid_m * BM, pid_n * BN], to_dtype(e0, e_desc.dtype, INTERPRETED))
+        e1, s1 = _half_exp(z1, cols1, c, k, live, softcap, vocab_size, REBASE, SOFTCAP, ALL_ROWS)
+        e_desc.store([pid_m * BM, pid_n * BN + BN // 2], to_dtype(e1, e_desc.dtype, INTERPRETED))
+        tl.store(s_ptr + rows * T + pid_n, s0 + s1, mask=in_rows)
 
 
 @triton.jit
@@ -287,7 +325,7 @@ def start(
     )  # fmt: skip
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [BM, BK])
     w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [BN, BK])
-    e_desc = TensorDescriptor(e, list(e.shape), list(e.stride()), [BM, BN])
+    e_desc = TensorDescriptor(e, list(e.shape), list(e.stride()), [BM, BN // 2])
     tiles = triton.cdiv(n, BM) * s.shape[1]
     programs = min(tiles, num_sms(x.device.index)) if cuda else tiles  # one per SM
     exp_logits_kernel[(programs,)](

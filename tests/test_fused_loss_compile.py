@@ -159,7 +159,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 cfg = exp_gemm.LAUNCH["cuda"]
 BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
 sig = {"x_desc": f"tensordesc<bf16[{BM},{BK}]>", "w_desc": f"tensordesc<bf16[{BN},{BK}]>",
-       "e_desc": f"tensordesc<bf16[{BM},{BN}]>", "c_ptr": "*fp32", "y_ptr": "*i64",
+       "e_desc": f"tensordesc<bf16[{BM},{BN // 2}]>", "c_ptr": "*fp32", "y_ptr": "*i64",
        "s_ptr": "*fp32", "k_ptr": "*i32", "b_ptr": "*fp32", "softcap": "fp32"}
 sig |= {n: "i32" for n in ("n_rows", "V", "D", "vocab_size", "ignore_index")}
 
