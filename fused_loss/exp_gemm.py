@@ -54,7 +54,7 @@ LAUNCH = {
 
 
 def applies(x, w):
-    """The GEMM's TMA descriptors need 16-byte aligned rows and bases; its launch (213 KB of
+    """The GEMM's TMA descriptors need 16-byte aligned rows and bases; its launch (225 KB of
     shared memory a block) is tuned and tested on Hopper only: other GPUs (consumer Blackwell
     has ~100 KB a block) take the cuBLAS GEMM and exp_rows_kernel."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
