@@ -100,12 +100,10 @@ def _tile_logits(acc, cols, b_ptr, softcap, V, HAS_BIAS: tl.constexpr, SOFTCAP: 
 
 
 @triton.jit
-def _half_max(u, cols, c, vocab_size, ALL_ROWS: tl.constexpr):
-    """Row max of the logits u (BM, C) over the real columns, less c with ALL_ROWS."""
+def _half_max(u, cols, vocab_size):
+    """Row max of the logits u (BM, C) over the real columns."""
     real = (cols < vocab_size)[None, :]  # the padded columns' select runs on every tile: in a
     # branch of its own (the padded tile only) ptxas waits for each wgmma before the next
-    if ALL_ROWS:
-        return tl.max(tl.where(real, u - c[:, None], float("-inf")), axis=1)
     return tl.max(tl.where(real, u, float("-inf")), axis=1)
 
 
@@ -189,14 +187,12 @@ def exp_logits_kernel(
         cols1 = cols0 + BN // 2
         z0 = _tile_logits(z0, cols0, b_ptr, softcap, V, HAS_BIAS, SOFTCAP)
         z1 = _tile_logits(z1, cols1, b_ptr, softcap, V, HAS_BIAS, SOFTCAP)
-        top = tl.maximum(
-            _half_max(z0, cols0, c, vocab_size, ALL_ROWS),
-            _half_max(z1, cols1, c, vocab_size, ALL_ROWS),
-        )
+        top = tl.maximum(_half_max(z0, cols0, vocab_size), _half_max(z1, cols1, vocab_size))
+        k = tl.ceil((top - c - REBASE) / REBASE)  # top - c: max(u - c) exactly (monotone rounding)
         if ALL_ROWS:  # sums of dead rows too (their lse), whose base may go below c = 0
-            k = tl.maximum(tl.ceil((top - REBASE) / REBASE), tl.where(live, 0.0, -1e6))
+            k = tl.maximum(k, tl.where(live, 0.0, -1e6))
         else:  # a live row's max is at least c, so its base k >= 0
-            k = tl.maximum(tl.ceil((top - c - REBASE) / REBASE), 0.0)
+            k = tl.maximum(k, 0.0)
         tl.store(k_ptr + rows * T + pid_n, k.to(tl.int32), mask=in_rows)
         e0, s0 = _half_exp(z0, cols0, c, k, live, softcap, vocab_size, REBASE, SOFTCAP, ALL_ROWS)
         e_desc.store([pid_m * BM, pid_n * BN], to_dtype(e0, e_desc.dtype, INTERPRETED))
