@@ -160,10 +160,11 @@ def _row_is_persistent(features, cooperative_reduction, limit, inherited):
     return inherited(features, cooperative_reduction)
 
 
-def _cache_tag(tag):
-    """A no-op post-grad pass whose uuid carries `tag` into Inductor's and AOTAutograd's cache keys
-    (with the tags of the pass it replaces, which it still runs), so that a graph compiled under
-    another patch of Inductor is not reused from disk."""
+def _cache_tag(tag, graph_pass=None):
+    """A post-grad pass whose uuid carries `tag` into Inductor's and AOTAutograd's cache keys
+    (with the tags of the pass it replaces, which it still runs first), so that a graph compiled
+    under another patch of Inductor is not reused from disk; it runs `graph_pass(graph)` too,
+    where one is given."""
     import torch._inductor.config as inductor_config
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -173,11 +174,125 @@ def _cache_tag(tag):
         def __call__(self, graph):
             if inner is not None:
                 inner(graph)
+            if graph_pass is not None:
+                graph_pass(graph)
 
         def uuid(self):
             return tag if inner is None else f"{inner.uuid()},{tag}"
 
     return inductor_config.patch(post_grad_custom_post_pass=CacheTag())
+
+
+def _call(graph, target, *args):
+    """A node calling target(*args), inserted at the graph's insertion point, with the fake
+    value (shape, dtype) that later passes read from meta["val"]."""
+    import torch.fx
+    from torch._guards import detect_fake_mode
+    from torch.utils._pytree import tree_map_only
+
+    node = graph.call_function(target, args)
+    vals = tree_map_only(torch.fx.Node, lambda n: n.meta["val"], args)
+    with detect_fake_mode(vals):
+        node.meta["val"] = target(*vals)
+    return node
+
+
+def _put_into_zeros(node):
+    """Whether an fx node scatter-adds rows into a new buffer of zeros, as the decomposed
+    embedding backward does: `_unsafe_masked_index_put_accumulate(zeros, mask, [idx], rows)`
+    (torch 2.13) or `_unsafe_index_put(zeros, [idx], rows, accumulate=True)` (torch 2.11)."""
+    aten = torch.ops.aten
+    if node.target is aten._unsafe_masked_index_put_accumulate.default:
+        pass
+    elif node.target in (aten._unsafe_index_put.default, aten.index_put.default):
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate")
+        if accumulate is not True:
+            return False
+    else:
+        return False
+    zeros = node.args[0]
+    return len(node.users) == 1 and zeros.target is aten.full.default and zeros.args[1] == 0
+
+
+def _tied_sum(node):
+    """(dW, the embedding's put) where node adds dW to the embedding's rows scattered into zeros,
+    both of one shape and dtype; else None."""
+    import torch.fx
+
+    if node.target is not torch.ops.aten.add.Tensor or node.kwargs or len(node.args) != 2:
+        return None
+    out = node.meta.get("val")
+    for put, dw in (node.args, node.args[::-1]):
+        if not (isinstance(put, torch.fx.Node) and isinstance(dw, torch.fx.Node)):
+            continue
+        other = dw.meta.get("val")
+        if out is None or other is None or other.shape != out.shape or other.dtype != out.dtype:
+            continue  # a broadcast or a promoted sum: left as it is
+        if _put_into_zeros(put):
+            return dw, put
+    return None
+
+
+def _masked_put(graph, dw, mask, indices, rows):
+    """dW with rows scatter-added at indices where mask holds, as Inductor lowers the masked put:
+    the indices clamped into range, the masked-out rows' values 0."""
+    aten = torch.ops.aten
+    kept = _call(graph, aten.where.ScalarOther, mask, rows, 0.0)
+    clamped = []  # in two ops that Inductor lowers (it decomposes clamp)
+    for i, n in zip(indices, dw.meta["val"].shape, strict=False):
+        if i is not None:
+            i = _call(graph, aten.clamp_min.default, i, 0)
+            i = _call(graph, aten.clamp_max.default, i, n - 1)
+        clamped.append(i)
+    return _call(graph, aten._unsafe_index_put.default, dw, clamped, kept, True)
+
+
+def scatter_tied_grad(graph):
+    """Rewrite a post-grad backward graph so that the token embedding's gradient is scattered
+    into the tied classifier's, not into zeros and then added; returns the number of rewrites.
+
+    The tied weight (V, D) gets two gradients: the classifier's dW and the embedding's rows.
+    Inductor's decomposition of the embedding's backward scatters the rows into a new (V, D)
+    buffer of zeros, and autograd's sum then reads that and dW and writes a third: at 124M
+    three passes over 154 MB of fp32 a micro-batch. As
+
+        add(dW, put(zeros, [idx], rows))  ->  put(dW, [idx], rows)
+
+    (put: an accumulating index_put; torch 2.13's masked put becomes a plain one, as Inductor
+    lowers it) it takes one: dW's copy, or none where Inductor puts into dW in place. The same
+    sum in another order (the atomic adds were unordered already)."""
+    aten = torch.ops.aten
+    done = 0
+    for node in list(graph.nodes):
+        found = _tied_sum(node)
+        if found is None:
+            continue
+        dw, put = found
+        zeros = put.args[0]
+        with graph.inserting_before(node):
+            if put.target is aten._unsafe_masked_index_put_accumulate.default:
+                summed = _masked_put(graph, dw, *put.args[1:])
+            else:
+                summed = _call(graph, put.target, dw, put.args[1], put.args[2], True)
+        node.replace_all_uses_with(summed)
+        graph.erase_node(node)
+        graph.erase_node(put)
+        if not zeros.users:
+            graph.erase_node(zeros)
+        done += 1
+    return done
+
+
+@contextlib.contextmanager
+def tied_grad_scatter(enabled=True):
+    """scatter_tied_grad as Inductor's post-grad pass while the context lasts (and in its cache
+    key): the embedding's rows go straight into the tied classifier's gradient
+    (its cost: bench/RESULTS.md#host-cost)."""
+    if not enabled:
+        yield
+        return
+    with _cache_tag("tied_grad_scatter", scatter_tied_grad):
+        yield
 
 
 @contextlib.contextmanager
@@ -303,4 +418,5 @@ def compiler_settings(cfg):
     budget = dict(activation_memory_budget=cfg.activation_memory_budget)
     with functorch_config.patch(**budget), inductor_config.patch(**inductor):
         with persistent_rows(cfg.persistent_rows), triton_partial_sums(cfg.triton_partial_sums):
-            yield
+            with tied_grad_scatter(cfg.tied_grad_scatter):
+                yield

@@ -100,6 +100,9 @@ class TrainConfig:
     # ...and finishes them with ATen's column sum (a memset and a kernel each) unless this swaps
     # in one Triton launch (compile_guard.triton_partial_sums)
     triton_partial_sums: bool = setting(True, "LayerNorm dw/db partial sums finished by Triton")
+    # the tied wte's two gradients: the embedding's rows scattered into the classifier's, not
+    # into zeros then added (compile_guard.scatter_tied_grad)
+    tied_grad_scatter: bool = setting(True, "embedding rows scattered into the classifier's dW")
     # "no_inplace": with in-place buffers torch.compile has produced wrong losses and gradients
     # at 774M and 1558M (bench/RESULTS.md#compile); no cost measured
     buffer_reuse: str = setting("no_inplace", "Inductor buffer reuse: all, no_inplace or none")
