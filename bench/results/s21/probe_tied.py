@@ -1,5 +1,7 @@
-"""Session 21: which nodes make the tied wte's gradient in the compiled CUDA backward (the post-grad
-graph that compile_guard.scatter_tied_grad sees), for the test's tiny model on the trainer's path."""
+"""Session 21: which nodes make the tied wte's gradient in the compiled CUDA backward (the
+post-grad graph that compile_guard.scatter_tied_grad sees), for the test's tiny model on the
+trainer's path. From the repo root: `PYTHONPATH=. python3 bench/results/s21/probe_tied.py`."""
+
 import sys
 
 import torch
@@ -14,14 +16,23 @@ SHAPE = dict(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=500, padd
 
 class Dump(CustomGraphPass):
     def __call__(self, graph):
-        print(f"--- graph, {len(graph.nodes)} nodes, scatter_tied_grad found "
-              f"{compile_guard.scatter_tied_grad(graph)}")
+        print(
+            f"--- graph, {len(graph.nodes)} nodes, scatter_tied_grad found "
+            f"{compile_guard.scatter_tied_grad(graph)}"
+        )
         for n in graph.nodes:
             val = n.meta.get("val")
             shape = tuple(getattr(val, "shape", ()))
-            if shape == (512, 64) or "put" in str(n.target) or "embedding" in str(n.target) or n.op == "output":
-                print(n.format_node()[:400], "| users:", [u.name for u in n.users],
-                      "|", getattr(val, "dtype", None), shape)
+            name = str(n.target)
+            if shape == (512, 64) or "put" in name or "embedding" in name or n.op == "output":
+                print(
+                    n.format_node()[:400],
+                    "| users:",
+                    [u.name for u in n.users],
+                    "|",
+                    getattr(val, "dtype", None),
+                    shape,
+                )
 
     def uuid(self):
         return "probe_tied"
@@ -34,8 +45,10 @@ def main():
     idx = torch.randint(0, 500, (4, 32), device="cuda")
     compiled = torch.compile(model)
     cfg = config.TrainConfig(tied_grad_scatter=False)
-    with compile_guard.compiler_settings(cfg), ic.patch(force_disable_caches=True,
-                                                        post_grad_custom_post_pass=Dump()):
+    with (
+        compile_guard.compiler_settings(cfg),
+        ic.patch(force_disable_caches=True, post_grad_custom_post_pass=Dump()),
+    ):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = compiled(idx, idx)
         loss.backward()
