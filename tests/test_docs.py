@@ -21,11 +21,15 @@ def anchors(markdown):
 
 
 def sources():
-    skip = ("bench/results/", "dev/LOG.md", ".venv/", "data/cache/", "tests/test_docs.py")
+    """The repo's code and docs; hidden folders (.git, a .venv, a copy of an older tree for a
+    benchmark) are not the repo's."""
+    skip = ("bench/results/", "dev/LOG.md", "data/cache/", "tests/test_docs.py")
     for path in sorted(ROOT.rglob("*")):
-        rel = path.relative_to(ROOT).as_posix()
-        if path.suffix in (".py", ".md", ".sh") and not rel.startswith(skip):
-            yield rel, path.read_text()
+        rel = path.relative_to(ROOT)
+        if any(part.startswith(".") for part in rel.parts[:-1]):
+            continue
+        if path.suffix in (".py", ".md", ".sh") and not rel.as_posix().startswith(skip):
+            yield rel.as_posix(), path.read_text()
 
 
 def test_every_results_anchor_pointed_to_exists():
