@@ -59,14 +59,16 @@ def test_compiled_backward_scatters_the_embedding_into_the_classifiers_grad(monk
     assert torch.count_nonzero(got["transformer.wte.weight"][SHAPE["vocab_size"] :]) == 0
 
 
-def test_torch_2_11s_form_of_the_embedding_backward_is_rewritten_too(monkeypatch):
+@pytest.mark.parametrize("put_op", ["index_put", "_unsafe_index_put"])
+def test_torch_2_11s_form_of_the_embedding_backward_is_rewritten_too(monkeypatch, put_op):
     """torch 2.11 decomposes the embedding's backward into an unmasked accumulating put into
-    zeros (2.13 into a masked one, as the test above sees): written out by hand here, compiled
-    by Inductor on CPU, the sum is rewritten once and matches eager mode."""
+    zeros (`index_put` in its CUDA graph; 2.13 into a masked one, as the test above sees):
+    written out by hand here, compiled by Inductor on CPU, the sum is rewritten once and
+    matches eager mode."""
     import torch._inductor.config as inductor_config
 
     def tied_sum(dw, idx, rows):
-        put = torch.ops.aten._unsafe_index_put(torch.zeros_like(dw), [idx], rows, True)
+        put = getattr(torch.ops.aten, put_op)(torch.zeros_like(dw), [idx], rows, True)
         return dw * 0.5 + put
 
     g = torch.Generator().manual_seed(0)

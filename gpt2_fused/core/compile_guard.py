@@ -200,15 +200,14 @@ def _call(graph, target, *args):
 def _put_into_zeros(node):
     """Whether an fx node scatter-adds rows into a new buffer of zeros, as the decomposed
     embedding backward does: `_unsafe_masked_index_put_accumulate(zeros, mask, [idx], rows)`
-    (torch 2.13) or `_unsafe_index_put(zeros, [idx], rows, accumulate=True)` (torch 2.11)."""
+    (torch 2.13) or an accumulating `index_put(zeros, [idx], rows, True)` (torch 2.11's CUDA
+    backward; `_unsafe_index_put` alike)."""
     aten = torch.ops.aten
-    if node.target is aten._unsafe_masked_index_put_accumulate.default:
-        pass
-    elif node.target in (aten._unsafe_index_put.default, aten.index_put.default):
+    if node.target in (aten._unsafe_index_put.default, aten.index_put.default):
         accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate")
         if accumulate is not True:
             return False
-    else:
+    elif node.target is not aten._unsafe_masked_index_put_accumulate.default:
         return False
     zeros = node.args[0]
     return len(node.users) == 1 and zeros.target is aten.full.default and zeros.args[1] == 0
