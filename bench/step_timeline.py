@@ -72,10 +72,12 @@ def summarise(events, steps):
             gaps.append((s - end, prev["name"][:60] if prev else "", e["name"][:60], host))
         busy += max(0.0, f - max(s, end))
         end, prev = max(end, f), e
-    by_kind = {}
+    by_kind, by_name = {}, {}
     for e in gpu:
         k = kind(e["name"])
         by_kind[k] = by_kind.get(k, 0.0) + e["dur"]
+        n = by_name.setdefault(e["name"][:90], [0, 0.0])
+        n[0], n[1] = n[0] + 1, n[1] + e["dur"]
     span = t1 - t0
     gaps.sort(reverse=True)
     return {
@@ -89,6 +91,10 @@ def summarise(events, steps):
         "kind_ms_per_step": {
             k: round(v / steps / 1e3, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
         },
+        "top_kernels": [  # calls a step, ms a step
+            {"name": k, "calls": c / steps, "ms": round(d / steps / 1e3, 3)}
+            for k, (c, d) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]
+        ],
         "longest_gaps": [
             {"us": round(g[0], 1), "after": g[1], "before": g[2], "host": g[3]} for g in gaps[:12]
         ],

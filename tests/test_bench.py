@@ -356,6 +356,8 @@ def test_step_timeline_counts_only_the_profiled_steps_on_the_gpu():
     assert res["longest_gaps"][0] == {"us": 50.0, "after": "adamw_kernel", "before": "cudnn_attn",
                                       "host": "aten::copy_"}  # fmt: skip
     assert set(res["kind_ms_per_step"]) == {"cuBLAS GEMM", "AdamW", "cuDNN attention"}
+    assert res["top_kernels"][0] == {"name": "cudnn_attn", "calls": 0.5, "ms": 0.035}
+    assert [k["name"] for k in res["top_kernels"]] == ["cudnn_attn", "nvjet_gemm", "adamw_kernel"]
     unmarked = summarise([e for e in events if e["cat"] != "gpu_user_annotation"], 2)
     assert unmarked["span_ms_per_step"] == pytest.approx(0.8 / 2)  # no ranges: the whole trace
 
