@@ -11,8 +11,11 @@ plain="--loss_impl='torch' --mlp_impl='torch' --attn_impl='torch' --adamw_impl='
 plain="$plain --low_precision_residual=False --compile_mode='default'"
 timeout 110 python3 -m bench.step_timeline --run 124M:64 --steps 12 --out /tmp/tl_d > "$out/default.log" 2>&1
 cp /tmp/tl_d/timeline_*.json "$out/default.json"; echo "default timeline at $(el) s"
-[ $(( total - $(el) )) -gt 90 ] && timeout 100 python3 -m bench.step_timeline --run 124M:64 --steps 12 --train-args="$plain" --out /tmp/tl_p > "$out/plain.log" 2>&1
-cp /tmp/tl_p/timeline_*.json "$out/plain.json"; echo "plain timeline at $(el) s"
+if [ $(( total - $(el) )) -gt 90 ]; then
+    timeout 100 python3 -m bench.step_timeline --run 124M:64 --steps 12 --train-args="$plain" \
+        --out /tmp/tl_p > "$out/plain.log" 2>&1
+    cp /tmp/tl_p/timeline_*.json "$out/plain.json"; echo "plain timeline at $(el) s"
+fi
 left=$(( total - $(el) ))
 if [ $left -gt 90 ]; then
     (cd .gpu/old3ab && timeout $(( left / 2 )) python3 -m bench.throughput --runs 124M:64:20:8 \
