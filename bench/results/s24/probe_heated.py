@@ -25,6 +25,7 @@ def heat(seconds=1.0):
 
 
 def ms_per_call(run, reps):
+    """bench.common.events without its GPU sleep in front, which would let the card cool."""
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(reps):
