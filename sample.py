@@ -73,13 +73,16 @@ def main(argv=None):
         device = pick_device(args.device)
     except ValueError as e:
         raise UsageError(f"--device: {e}") from None
+    text = args.prompt
+    if args.prompt_file is not None:  # before the model: a bad file fails fast
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text ({e})") from None
     dtype = resolve_dtype(args.dtype, device)
     model = model_io.load_model(args.ckpt, args.hf_dir, device, dtype)
     enc = get_tokenizer()
 
-    text = args.prompt
-    if args.prompt_file is not None:
-        text = Path(args.prompt_file).read_text(encoding="utf-8")
     ids = enc.encode(text, allowed_special={"<|endoftext|>"}) if text else []
     start = 0 if ids else 1  # an <|endoftext|> we put there ourselves is not printed
     ids = ids or [EOT]
@@ -103,6 +106,8 @@ def main(argv=None):
             sync(device)
             times.append(time.perf_counter())
 
+    if args.decode == "compile":  # the first token waits for torch.compile: seconds of silence
+        print("compiling the decoding step before the first token...", file=sys.stderr)
     t0 = time.perf_counter()
     out = generate.generate(
         model,

@@ -17,8 +17,12 @@ def resolve_dataset(dataset):
     else:
         folder = Path(dataset)
         if not folder.is_dir():
+            hint = ""
+            if any(c in dataset for c in "*?[") and folder.parent.is_dir():  # llm.c's -i style
+                hint = f"; pass the folder, --dataset={str(folder.parent)!r}: its *_train_*.bin"
+                hint += " and *_val_*.bin are found there"
             raise FileNotFoundError(
-                f"dataset {dataset!r} is neither 'embedded' nor a folder of shards"
+                f"dataset {dataset!r} is neither 'embedded' nor a folder of shards{hint}"
             )
     base = glob.escape(str(folder))
     train, val = f"{base}/*_train_*.bin", f"{base}/*_val_*.bin"

@@ -352,7 +352,8 @@ def run_local(args, out_dir):
     paths, fmt = (args.from_text, "text") if args.from_text else (args.from_jsonl, "jsonl")
     for p in list(paths) + list(args.val_from or []):
         if not Path(p).is_file():
-            raise SystemExit(f"input file not found: {p}")
+            what = "a folder, not a file" if Path(p).is_dir() else "not found"
+            raise SystemExit(f"input file {what}: {p}")
     val_docs = iter_file_docs(args.val_from, "auto") if args.val_from else None
     val_tokens = None if args.val_from else (args.val_tokens or LOCAL_VAL_TOKENS)
     settings = {

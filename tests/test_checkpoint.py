@@ -6,8 +6,10 @@ import errno
 import functools
 import os
 import shutil
+import struct
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -126,26 +128,46 @@ def _truncate(path):
     return raw[: len(raw) // 2]
 
 
-def test_resume_falls_back_past_a_corrupt_newest_checkpoint(tiny_args, tmp_path, capsys):
-    """ckpt 4 truncated to half: --resume warns naming it, keeps it as .corrupt, resumes from
-    ckpt 2 and recomputes steps 2-3 bit-identically; a stale .tmp from a kill is removed."""
+def _flip_tensor_byte(path):
+    """Invert one byte in the middle of the largest tensor's bytes, as a disk or a copy might:
+    the zip stays well-formed and torch.load still loads it."""
+    with zipfile.ZipFile(path) as z:
+        rec = max(z.infolist(), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    header = rec.header_offset  # a local file header: 30 bytes, then the name and extra field
+    name_len, extra_len = struct.unpack("<HH", raw[header + 26 : header + 30])
+    raw[header + 30 + name_len + extra_len + rec.file_size // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    return bytes(raw)
+
+
+@pytest.mark.parametrize(
+    "damage, says", [(_truncate, "load (RuntimeError: "), (_flip_tensor_byte, "fails its CRC-32")]
+)
+def test_resume_falls_back_past_a_corrupt_newest_checkpoint(
+    tiny_args, tmp_path, capsys, damage, says
+):
+    """ckpt 4 truncated to half, or one byte of its weights flipped: --resume warns naming it,
+    keeps it as .corrupt, resumes from ckpt 2 and recomputes steps 2-3 bit-identically; a stale
+    .tmp from a kill is removed."""
     out = tmp_path / "out"
     args = tiny_args + [f"--out_dir={out}", "--eval_interval=2", "--ckpt_interval=2"]
     args += ["--keep_last=2"]
     train.main(args + ["--max_steps=4"])
     before, _ = read_log(out)
     newest = out / "ckpt_0000004.pt"
-    half = _truncate(newest)
+    damaged = damage(newest)
     (out / "ckpt_0000006.pt.tmp").write_bytes(b"cut short by a kill")
     capsys.readouterr()
     train.main(args + ["--max_steps=6", "--resume"])
     text = capsys.readouterr().out
     warnings = [line for line in text.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and f"{newest} does not load (RuntimeError: " in warnings[0]
+    assert len(warnings) == 1 and f"{newest} does not load (" in warnings[0], warnings
+    assert says in warnings[0], warnings
     assert f"kept it as {newest}.corrupt and resumed from {out / 'ckpt_0000002.pt'}" in text
     assert f"resumed from {out / 'ckpt_0000002.pt'} at step 2" in text
     assert f"removed {out / 'ckpt_0000006.pt.tmp'}" in text
-    assert (out / "ckpt_0000004.pt.corrupt").read_bytes() == half  # kept, not deleted
+    assert (out / "ckpt_0000004.pt.corrupt").read_bytes() == damaged  # kept, not deleted
     after, _ = read_log(out)
     assert sorted(after) == list(range(6)) and all(after[s] == before[s] for s in range(4))
     names = sorted(os.listdir(out))
@@ -165,12 +187,18 @@ def test_resume_refuses_when_no_checkpoint_loads(tiny_args, tmp_path):
     assert sorted(p.name for p in out.glob("ckpt_*")) == ["ckpt_0000001.pt", "ckpt_0000002.pt"]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "empty", "not a zip", "malicious pickle"])
+@pytest.mark.parametrize(
+    "damage", ["truncated", "empty", "not a zip", "malicious pickle", "a weight's byte flipped"]
+)
 def test_damaged_checkpoints_are_named(tmp_path, damage):
     path = tmp_path / "ckpt_0000001.pt"
     torch.save({"model": {"w": torch.ones(1000)}, "step": 1}, path)
     if damage == "truncated":
         _truncate(path)
+    elif damage == "a weight's byte flipped":
+        _flip_tensor_byte(path)
+        w = torch.load(path, weights_only=True)["model"]["w"]  # torch.load alone sees nothing
+        assert (w != 1).sum() == 1
     elif damage == "empty":
         path.write_bytes(b"")
     elif damage == "not a zip":
@@ -247,3 +275,31 @@ def test_a_log_write_that_fails_stops_the_run_in_one_line(tiny_args, tmp_path, m
     assert f"cannot write {out / 'log.jsonl'} (No space left on device): stopped at step" in msg
     assert "without saving; the newest checkpoint, " in msg and "ckpt_000000" in msg
     assert "\n" not in msg
+
+
+def test_resume_drops_a_log_line_cut_short_and_names_a_damaged_one(tiny_args, tmp_path):
+    """A full disk can stop a run mid-write, leaving log.jsonl's last line without its end:
+    --resume drops that line and goes on. A damaged line elsewhere stops the run in one line
+    naming it, rather than a traceback or a silent drop."""
+    out = tmp_path / "out"
+    args = tiny_args + [f"--out_dir={out}", "--eval_interval=0", "--ckpt_interval=2"]
+    train.main(args + ["--max_steps=3"])  # saves at 2 and 3
+    straight, _ = read_log(out)
+    log = out / "log.jsonl"
+    whole = log.read_text()
+    log.write_text(whole + '{"step": 3, "loss": 10.9, "tok_per_s"')  # no newline: cut short
+    train.main(args + ["--max_steps=4", "--resume"])
+    losses, _ = read_log(out)
+    assert sorted(losses) == [0, 1, 2, 3] and all(losses[s] == straight[s] for s in range(3))
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join([lines[0], lines[1][:-9], *lines[2:]]) + "\n")
+    with pytest.raises(SystemExit) as stop:
+        run_main(
+            functools.partial(train.main, args + ["--max_steps=5", "--resume"]), train.USER_ERRORS
+        )
+    msg = stop.value.code
+    assert (
+        "\n" not in msg
+        and msg.startswith(f"log error: {log}:2: not a JSON line (")
+        and "move the file" in msg
+    )

@@ -763,6 +763,9 @@ def test_embedded_concurrent_prepare_loses_rename_race(tmp_path, monkeypatch):
 def test_resolve_dataset_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither 'embedded' nor a folder"):
         resolve_dataset(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError) as err:  # llm.c's glob of train shards: name the folder
+        resolve_dataset(str(tmp_path / "fineweb_train_*.bin"))
+    assert f"; pass the folder, --dataset={str(tmp_path)!r}: " in str(err.value)
     write_shard(tmp_path / "d_train_000001.bin", np.array([EOT, 1]))
     with pytest.raises(FileNotFoundError, match="no val shards"):
         resolve_dataset(str(tmp_path))

@@ -145,6 +145,27 @@ def test_prepare_names_an_unreadable_input_file(tmp_path, kind):
         assert msg.startswith(f"data error: {path}: cannot be decompressed (")
 
 
+def test_prepare_names_a_folder_given_as_an_input_file(tmp_path):
+    argv = ["--from-text", str(tmp_path), "--out-dir", str(tmp_path / "out"), "--no-progress"]
+    msg = one_line_error(functools.partial(data.fineweb.main, argv), CLI_ERRORS)
+    assert msg == f"input file a folder, not a file: {tmp_path}"
+
+
+def test_ctrl_c_outside_a_training_loop_is_one_line_and_status_130(capsys, monkeypatch):
+    """KeyboardInterrupt (start-up, sampling, preparing data): "interrupted" and 128 + SIGINT, as
+    a shell reports it, with the traceback only under GPT2_DEBUG=1."""
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as stop:
+        run_main(interrupted, CLI_ERRORS)
+    assert stop.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+    monkeypatch.setenv("GPT2_DEBUG", "1")
+    with pytest.raises(KeyboardInterrupt):
+        run_main(interrupted, CLI_ERRORS)
+
+
 def test_prepare_command_line_error_is_one_line(tmp_path):
     path = tmp_path / "model.bin"
     path.write_bytes(bytes(range(256)) * 4)

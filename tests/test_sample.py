@@ -99,6 +99,19 @@ def test_bad_arguments_are_one_line_usage_errors(argv, capsys):
     assert err.startswith("usage error: ") and err.count("\n") == 1, err
 
 
+def test_a_prompt_file_that_is_not_text_is_named_before_any_model_loads(tmp_path, capsys):
+    path = tmp_path / "prompt.bin"
+    path.write_bytes(b"Once upon" + bytes([0xF1, 0x80, 0xFF]))
+    argv = ["--ckpt", str(tmp_path / "no_such_ckpt"), "--prompt-file", str(path)]
+    with pytest.raises(SystemExit) as e:
+        run_main(lambda: sample.main(argv), model_io.USER_ERRORS)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage error: --prompt-file {path} is not UTF-8 text (") and (
+        err.count("\n") == 1
+    )
+
+
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no ckpt_"):
         sample.main(["--ckpt", str(tmp_path), "--device", "cpu"])

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from data.loader import iter_val_batches
 from gpt2_fused.core import compile_guard, config, model_io
 from gpt2_fused.core.checkpoint import list_checkpoints
 from gpt2_fused.core.compile_guard import CompileMismatch
-from gpt2_fused.core.runlog import read_jsonl
+from gpt2_fused.core.runlog import RunLog, StepLog, StepStats, read_jsonl
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -163,6 +164,24 @@ def test_loader_state_from_before_shuffling_resumes_in_order(tiny_args, tmp_path
     assert torch.load(tmp_path / "ckpt_0000004.pt", weights_only=True)["loader"]["shuffle"] is False
 
 
+def test_a_cpu_step_is_printed_when_it_ends_not_after_the_next(tmp_path):
+    """On CUDA a step's line waits for the next step to be queued (StepStats); on a CPU the step
+    has ended when push() gets it, so its line comes at once, timed from the step before."""
+    lines = []
+    cfg = types.SimpleNamespace(max_steps=9, out_dir=str(tmp_path))
+    log = StepLog(RunLog(), lines.append, cfg, world_size=1, tokens=1000, flops=1.0, peak=None,
+                  launched=time.perf_counter(), first=0)  # fmt: skip
+    for step, loss in enumerate((5.0, 4.0)):
+        st = StepStats(torch.device("cpu"), step, 1e-3)
+        time.sleep(0.01)
+        st.finish(torch.tensor([loss, 0.0, 1.5]))
+        assert log.push(st) is False
+        assert lines[-1 - step].startswith(f"step {step:6d}/9 | loss {loss:.6f} | lr 1.00e-03")
+    assert lines[2].startswith("start-up: ")  # after step first + 1's line, as on CUDA
+    assert float(lines[1].split(" | ")[4].removesuffix(" ms")) >= 10  # end to end, not 0
+    assert log.flush() is False and len(lines) == 3  # nothing held back
+
+
 def test_ctrl_c_saves_and_exits_zero_then_resumes(tiny_args, tmp_path):
     """SIGINT (Ctrl-C) here; SIGTERM, forwarded by torchrun, in test_ddp.py."""
     out = tmp_path / "out"
@@ -179,9 +198,10 @@ def test_ctrl_c_saves_and_exits_zero_then_resumes(tiny_args, tmp_path):
     step = torch.load(ckpts[0], weights_only=True)["step"]
     losses, _ = read_log(out)
     assert max(losses) == step - 1  # the step in flight finished and was saved
-    # as README says: at most two step lines after the signal's (they are printed a step late)
+    assert "signal 2: finishing this step, saving a checkpoint, exiting (Ctrl-C again: stop" in text
+    # on a CPU a step's line comes as it ends: at most the step in flight's follows the signal's
     after = text.split("signal 2: finishing this step")[1]
-    assert len([line for line in after.splitlines() if "| loss " in line]) <= 2, text
+    assert len([line for line in after.splitlines() if "| loss " in line]) <= 1, text
     train.main(args + [f"--max_steps={step + 2}", "--resume"])
     losses, _ = read_log(out)
     assert sorted(losses) == list(range(step + 2))

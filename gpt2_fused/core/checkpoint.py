@@ -4,19 +4,23 @@ A write goes to a temporary file that is fsynced and then renamed, so a crash le
 old files or the complete new one; the newest `keep_last` are kept. A write that fails (a full
 disk) removes its temporary file and raises CheckpointError, which names the file, the free space
 and the size needed. A checkpoint that does not load (truncated, corrupt) raises CheckpointError
-naming it; resuming falls back to the newest one that loads and keeps the others aside.
+naming it; resuming falls back to the newest one that loads and keeps the others aside. torch.save
+writes a zip whose records carry CRC-32s, which torch.load does not check: load_checkpoint checks
+them first, so bytes changed on disk are caught too.
 """
 
 import glob
 import os
 import pickle
 import shutil
+import zipfile
+import zlib
 
 import torch
 import torch.distributed as dist
 
 # what torch.load raised on 4,000 truncated or byte-flipped checkpoints, besides loading some of
-# them (flipped tensor bytes go unnoticed): the zip reader RuntimeError; the unpickler
+# them (flipped tensor bytes, which _check_crcs catches): the zip reader RuntimeError; the unpickler
 # UnpicklingError (weights_only refusing what it does not know), EOFError, KeyError, IndexError,
 # TypeError, ValueError (UnicodeDecodeError); reads at damaged offsets OSError
 _DAMAGED = (
@@ -114,8 +118,10 @@ def _size(nbytes):
 
 
 def load_checkpoint(path, map_location="cpu"):
-    """torch.load(path, weights_only=True); a file that does not load raises CheckpointError
-    naming it (a missing or unreadable one raises as it is)."""
+    """torch.load(path, weights_only=True) after the zip's CRC-32 check; a file that does not load
+    or fails the check raises CheckpointError naming it (a missing or unreadable one raises as it
+    is)."""
+    _check_crcs(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except (FileNotFoundError, PermissionError, IsADirectoryError):
@@ -124,6 +130,23 @@ def load_checkpoint(path, map_location="cpu"):
         first = str(e).strip().split("\n")[0].split(". ")[0][:200]  # torch's are paragraphs
         why = f"{type(e).__name__}: {first}" if first else type(e).__name__
         raise CheckpointError(f"{path} does not load ({why}): truncated or corrupt") from e
+
+
+def _check_crcs(path):
+    """Read every record of torch.save's zip and compare it with its CRC-32 (a second read of the
+    file, faster than torch.load's). A file that is no zip is left to torch.load, which names
+    what is wrong."""
+    try:
+        z = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError):  # truncated, another format, missing: torch.load says
+        return
+    try:
+        with z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:  # a local header damaged
+        raise CheckpointError(f"{path} does not load ({e}): truncated or corrupt") from e
+    if bad is not None:
+        raise CheckpointError(f"{path} does not load (record {bad} fails its CRC-32): corrupt")
 
 
 def load_newest(out_dir, keys, warn):

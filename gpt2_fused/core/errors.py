@@ -9,8 +9,9 @@ the exit status says which kind it is:
 - 1, any other error the user can fix: the command is fine but what it reads or writes is not (a
   damaged shard or checkpoint, a missing file, a full disk).
 
-`--help` prints the full help and exits 0. GPT2_DEBUG=1 in the environment shows the traceback
-instead of the line.
+`--help` prints the full help and exits 0. Ctrl-C outside a training loop (which saves first)
+prints "interrupted" and exits 130, as a shell does. GPT2_DEBUG=1 in the environment shows the
+traceback instead of the line.
 """
 
 import os
@@ -29,10 +30,16 @@ def run_main(main, user_errors):
     "config error"}) or a UsageError exits with "label: message" on one line, status 2 for a
     UsageError and 1 for the others. The label is that of the most specific type listed."""
     labels = {UsageError: "usage error", **user_errors}
+    debug = os.environ.get(DEBUG_ENV, "0") not in ("", "0")
     try:
         return main()
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        sys.exit(128 + 2)  # 128 + SIGINT
     except tuple(labels) as e:
-        if os.environ.get(DEBUG_ENV, "0") not in ("", "0"):
+        if debug:
             raise
         label = next(labels[t] for t in type(e).__mro__ if t in labels)
         text = " ".join(line.strip() for line in str(e).splitlines()) or type(e).__name__

@@ -65,7 +65,8 @@ def format_step(rec, max_steps):
 class StepLog:
     """Logs finished steps one step late: push(st) after a step is queued reads the one before;
     flush() reads the last one now (before an eval or checkpoint, which may stop the run). Both
-    return whether any rank asked to stop. A non-finite loss or norm stops the run."""
+    return whether any rank asked to stop. A non-finite loss or norm stops the run. On a CPU,
+    where a step has finished when push() gets it, push() reads it at once."""
 
     def __init__(self, run_log, print0, cfg, *, world_size, tokens, flops, peak, launched, first):
         self.run_log, self.print0 = run_log, print0
@@ -82,13 +83,14 @@ class StepLog:
             stop = self._report(self.pending, self.prev_end)
             self.prev_end = self.pending.end  # nothing ran in between: time end to end
         self.pending = st
+        if not st.cuda:  # nothing ran ahead: waiting for the next step only delays the line
+            stop = self._report(st, self.prev_end) or stop
+            self.pending, self.prev_end = None, st.end
         return stop
 
     def flush(self):
-        if self.pending is None:
-            return False
-        stop = self._report(self.pending, self.prev_end)
-        self.pending = self.prev_end = None
+        stop = False if self.pending is None else self._report(self.pending, self.prev_end)
+        self.pending = self.prev_end = None  # what runs next (an eval) is not the next step's
         return stop
 
     def _report(self, st, since):
@@ -121,33 +123,42 @@ class StepLog:
         return stop > 0
 
 
-def read_jsonl(path):
+class LogError(OSError):
+    """out_dir/log.jsonl cannot be written (disk full) or read back on resume; the message names
+    it."""
+
+
+def read_jsonl(path, torn_tail=False):
     """The records of a JSON-lines file (out_dir/log.jsonl), blank lines skipped; a line that is
-    not JSON is a ValueError naming path:line."""
+    not JSON is a ValueError naming path:line. torn_tail: a last line with no newline that is not
+    JSON (a write cut short by a full disk or a kill) is dropped instead."""
     recs = []
     with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    recs.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
+        lines = f.read().split("\n")  # the last item: "" after a newline, else a torn line
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                if torn_tail and n == len(lines):
+                    break
+                raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
     return recs
 
 
 def trim_log(path, step):
-    """Drop the records a run resumed at `step` writes again (train steps >= step, val > step)."""
+    """Drop the records a run resumed at `step` writes again (train steps >= step, val > step),
+    and a last line that a stopped run left half-written."""
     if not os.path.exists(path):
         return
-    recs = read_jsonl(path)
+    try:
+        recs = read_jsonl(path, torn_tail=True)
+    except ValueError as e:
+        raise LogError(f"{e}: move the file aside to resume with a new log") from None
     keep = [r for r in recs if r["step"] < step or ("val_loss" in r and r["step"] == step)]
     with open(path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in keep)
     os.replace(path + ".tmp", path)
-
-
-class LogError(OSError):
-    """out_dir/log.jsonl cannot be written (disk full); the message names it."""
 
 
 class RunLog:

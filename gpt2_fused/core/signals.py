@@ -34,7 +34,10 @@ class StopFlag:
             os.kill(os.getpid(), signum)
         self.requested = True
         self.seen.add(signum)
-        msg = f"signal {signum}: finishing this step, saving a checkpoint, exiting\n"
+        msg = f"signal {signum}: finishing this step, saving a checkpoint, exiting"
+        if signum == signal.SIGINT:  # the kill can land mid-save: that checkpoint is lost
+            msg += " (Ctrl-C again: stop at once, without saving)"
+        msg += "\n"
         if not self.announce:
             return
         try:  # os.write, not print: the handler may have interrupted a print (not re-entrant)
