@@ -9,11 +9,8 @@ several share from bench.common, never from one another. Their results go to ben
     bench_fused_loss    the fused linear + cross-entropy against torch, torch.compile, Liger, CCE
     bench_loss_options  the cost of the fused loss's options (softcap, z_loss, bias, smoothing)
     bench_exp_gemm      the logits GEMM with exp in its epilogue against cuBLAS + the row pass
-    bench_dw_gemm       dw's accumulation over the fused loss's chunks with bf16 weights
     step_timeline       the GPU's busy and idle time over train.py's own steps, by kernel kind
     host_cost           host time per call of each custom op and the pieces inside them
-    gpu_gaps            the GPU timeline of one fused-loss fwd+bwd: where the wall time goes
-    memory_peak         the allocations alive at the peak of one fused-loss fwd+bwd
     bench_mlp           GPT-2's MLP: torch (eager, compiled) against the cuBLASLt-epilogue op
     bench_attention     causal attention per SDPA backend; --branch: the attention op against torch
     bench_colsum        the bias-gradient column sums against torch
@@ -21,16 +18,19 @@ several share from bench.common, never from one another. Their results go to ben
     bench_gemv          the batch-1 decoding GEMV with its weights from HBM
     bench_adamw         the optimizer step against its memory floor
     bench_fp8           FP8 variants of the training fwd+bwd against bf16
-    bench_fp8_casts     FP8 casts made in LayerNorm / GELU / its gradient against separate ones
     bench_fp8_mlp       a half block (MLP or attention) fwd+bwd: bf16, torchao FP8, fused casts
     fp8_stress          delayed FP8 scales under stress: 20 steps at lr 1e-3, per-step gaps to bf16
     bench_sample        generation speed of the decode modes
     bench_data          data preparation and loader throughput
     shard_memory        per-rank memory of --shard's modes at W ranks
-    ddp_compare         compares the logs of bench/ddp_h200.sh
+    ddp_compare         compares the logs of bench/ddp_scaling.sh
     plot_loss           train and val loss of train.py's log(s) as a PNG
     common              (no command) shapes, inputs, loss methods and timers the others share
 
-The shell scripts (gpu_gate.sh, e2e_h200.sh, ddp_h200.sh, quality_pair.sh, sample_h200.sh,
-shard_overhead.sh, fp8_fused_call.sh) run these on a GPU host: `bash bench/<script>.sh`.
+The shell scripts run these on a GPU host, `bash bench/<script>.sh`:
+
+    gpu_gate.sh         every GPU test, then default against plain at 124M:32 and 1558M:16
+    quality_pair.sh     2,000-step Wikipedia runs of the default beside a change, same seed and data
+    ddp_scaling.sh      train.py on one GPU against torchrun on several, then a kill and a resume
+    shard_overhead.sh   --shard's modes against DDP on one GPU under torchrun
 """

@@ -1,7 +1,7 @@
 """A half of a GPT-2 block, forward and backward, at 1558M:16's shape: the MLP half x + MLP(LN(x))
 or (--half attn) the attention half x + c_proj(attention(c_attn(LN(x)))); bf16 (the default
 path's ops), torchao's tensorwise FP8, and mlp_fp8 / attn_fp8 (FP8 with the casts made where the
-data is, delayed scales): issue 56's fused design against both, per block.
+data is, delayed scales): the fused design against both, per block.
 
     python -m bench.bench_fp8_mlp [--half mlp|attn] [--tokens 16384] [--width 1600] [--out DIR]
 

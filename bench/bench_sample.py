@@ -4,8 +4,8 @@
     python -m bench.bench_sample --quick     # seconds on CPU with a tiny model: checks the script
 
 --modes (default old,graph,compile):
-    old        the KV cache that GPT.generate had before the static one (issue 29), kept here as
-               the baseline: eager, the keys grow by one per step (bench/RESULTS.md section 3)
+    old        the KV cache that GPT.generate had before the static one, kept here as
+               the baseline: eager, the keys grow by one per step (bench/RESULTS.md#sampling)
     recompute  nanoGPT's loop: no cache, every token re-runs the window
     eager, graph, compile   the static cache, as generate.py's decode modes
 

@@ -1,12 +1,12 @@
-"""Compare the logs of bench/ddp_h200.sh: loss curves and throughput.
+"""Compare the logs of bench/ddp_scaling.sh: loss curves and throughput.
 
 python -m bench.ddp_compare LOGDIR   (reads one.jsonl, multi.jsonl, resume.jsonl)
 """
 
+import argparse
 import json
 import os
 import statistics
-import sys
 
 from gpt2_fused.core.runlog import read_jsonl
 
@@ -41,4 +41,6 @@ def main(log):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("log", help="the LOGDIR bench/ddp_scaling.sh wrote")
+    main(ap.parse_args().log)

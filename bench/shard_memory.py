@@ -1,4 +1,4 @@
-"""Per-rank memory of --shard's modes at W ranks, from the engines' own partitions (issue 31).
+"""Per-rank memory of --shard's modes at W ranks, from the engines' own partitions.
 
     python -m bench.shard_memory [--model gpt2-xl] [--world 8] [--peak-gib 58.96] [--batch 16]
         [--batches 16,8,4]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# --shard's cost against DDP on one GPU (issue 31): the real train.py under `torchrun
+# --shard's cost against DDP on one GPU: the real train.py under `torchrun
 # --nproc_per_node=1` (bench/throughput.py --torchrun; compiled, bf16 autocast, random tokens,
 # one micro-batch a step), each mode against the DDP run with the same AdamW:
 #   ZeRO-1 (--shard=optimizer, the Triton AdamW)   against DDP (the Triton AdamW)

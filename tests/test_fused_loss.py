@@ -165,8 +165,8 @@ def test_confident_correct_predictions(dtype):
 
 
 def test_chunks_on_the_gpu_stay_in_the_memory_allowance():
-    # A bf16 weight's buffer and fp32 dw accumulator share EXTRA_BYTES (the lean allowance of
-    # issue 28); without an accumulator (the fp32 master weight) a chunk has at least
+    # A bf16 weight's buffer and fp32 dw accumulator share EXTRA_BYTES (the lean
+    # allowance); without an accumulator (the fp32 master weight) a chunk has at least
     # MIN_CHUNK_ELEMENTS // D rows, the chunking measured fastest at the 124M and 1558M shapes.
     V = 50304
     for N, D in ((32768, 768), (65536, 768), (16384, 1600), (8192, 1024)):

@@ -1,5 +1,5 @@
 """GPT-2's GELU, its gradient, or nothing, with the result cast to FP8 in the same pass (and
-laid out transposed too, for a weight-gradient GEMM): issue 56's casts made where the data is.
+laid out transposed too, for a weight-gradient GEMM): the casts made where the data is.
 
     GELU   out = gelu_tanh(h)                     the MLP's hidden activation, for c_proj
     DGELU  out = g * gelu_tanh'(h)                its gradient, for c_fc's dgrad and wgrad

@@ -1,5 +1,5 @@
 """The first half of a GPT-2 block, out = x + c_proj(attention(c_attn(LN_1(x)))), with c_attn and
-c_proj on FP8 tensor cores, each FP8 operand cast where it is made (issue 56); the attention
+c_proj on FP8 tensor cores, each FP8 operand cast where it is made; the attention
 itself in bf16 (cuDNN's on CUDA, as gpt2_fused/kernels/attention.py; torch's math elsewhere):
 
     y8       = e4m3(LN(x) * s_y)                ln_fp8, with its amax

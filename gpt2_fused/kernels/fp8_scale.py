@@ -1,4 +1,4 @@
-"""Delayed tensorwise FP8 scales computed inside the kernel that casts (issue 56): no launches of
+"""Delayed tensorwise FP8 scales computed inside the kernel that casts: no launches of
 their own, so an FP8 half block costs the host a handful of launches, not one per scalar.
 
 A tensor's scale comes from the largest |value| it had at the previous call (its amax), with

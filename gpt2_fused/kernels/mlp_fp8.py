@@ -1,5 +1,5 @@
 """The second half of a GPT-2 block, out = x + MLP(LN_2(x)), with the MLP's four GEMMs on FP8
-tensor cores and every FP8 operand cast where its data is made (issue 56):
+tensor cores and every FP8 operand cast where its data is made:
 
     y8      = e4m3(LN(x) * s_y)           ln_fp8: the LayerNorm writes it, and its amax
     h       = y8 W_fc8^T / (s_y s_fc) + b_fc           torch._scaled_mm, bf16 out

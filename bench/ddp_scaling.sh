@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# DDP on the GPUs of one host (issue 7): the real train.py, 124M, micro-batch B=32 (another
+# DDP on the GPUs of one host: the real train.py, 124M, micro-batch B=32 (another
 # model: e.g. MODEL_ARGS="--model=gpt2-xl --activation_memory_budget=0.95" B=16; any train.py
 # setting can go there), total batch TOTAL tokens per step (default NGPU x B x T), on random
 # tokens (data/cache/random; made here if missing). The resume part needs STEPS >= 16.
-#   NGPU=2 [ONE_GPU=0 TOTAL=.. STEPS=30 RESUME=1] bash bench/ddp_h200.sh LOGDIR [skip-one | one-only]
+#   NGPU=2 [ONE_GPU=0 TOTAL=.. STEPS=30 RESUME=1] bash bench/ddp_scaling.sh LOGDIR [skip-one | one-only]
 # 1. one GPU with NGPU-fold more gradient accumulation (the reference; skipped with skip-one when it
 #    ran already), 2. NGPU GPUs through torchrun: same data order, so the loss curves must agree,
 #    3. an NGPU run with checkpoints every 10 steps killed (SIGKILL) after step 15, then resumed:
 #    it must continue the curve of run 2 (RESUME=0 skips it). Then `python -m bench.ddp_compare`
 #    compares them.
 # Rehearsal on CPU (gloo, ~50 s on 2 cores): MODEL_ARGS="--n_layer=2 --n_head=2
-#   --n_embd=64 --block_size=64 --device=cpu" T=64 B=4 NGPU=2 bash bench/ddp_h200.sh /tmp/ddp
+#   --n_embd=64 --block_size=64 --device=cpu" T=64 B=4 NGPU=2 bash bench/ddp_scaling.sh /tmp/ddp
 set -uo pipefail
 LOG=${1:-out/ddp}
 NGPU=${NGPU:-2}
