@@ -1,5 +1,7 @@
-"""The record's links hold: every `RESULTS.md#anchor` that code or docs point to is a heading of
-bench/RESULTS.md, and every `results/...` file or folder RESULTS.md cites is in bench/results."""
+"""The record's links hold and it stays light: every `RESULTS.md#anchor` that code or docs point to
+is a heading of bench/RESULTS.md, every `results/...` file or folder RESULTS.md cites is in
+bench/results and every file there is named in RESULTS.md; RESULTS.md and dev/LOG.md keep to their
+word limits, bench/ names say what they measure, and code carries no issue or session numbers."""
 
 import fnmatch
 import pathlib
@@ -60,3 +62,50 @@ def test_anchors_follow_githubs_rule():
         "cuda-graphs",
         "inductors-in-place-buffer-bug",
     }
+
+
+RECORD_LIMITS = {"bench/RESULTS.md": 8_000, "dev/LOG.md": 5_000}  # words, as `wc -w` counts
+RESULTS_FILES_MAX = 40
+
+
+def test_the_record_stays_within_its_word_limits():
+    over = {
+        rel: len((ROOT / rel).read_text().split())
+        for rel, limit in RECORD_LIMITS.items()
+        if len((ROOT / rel).read_text().split()) > limit
+    }
+    assert not over, f"words over the limit ({RECORD_LIMITS}): {over}"
+
+
+def test_bench_results_holds_few_files_each_named_in_results_md():
+    files = [p for p in (RESULTS.parent / "results").rglob("*") if p.is_file()]
+    assert len(files) <= RESULTS_FILES_MAX, f"{len(files)} files in bench/results"
+    text = RESULTS.read_text()
+    uncited = [p.relative_to(ROOT).as_posix() for p in files if p.name not in text]
+    assert not uncited, f"in bench/results, not named in bench/RESULTS.md: {uncited}"
+
+
+def test_no_issue_or_session_numbers_in_code():
+    """Code says why, not which of this repo's issues or work sessions it came from: git history
+    keeps that. Upstream references (`pytorch/pytorch#144344`) are fine."""
+    ref = re.compile(r"\bissues? \d+|(?<![\"'_])\bsessions?\b(?![\"'])", re.IGNORECASE)
+    found = [
+        f"{rel}:{n}: {line.strip()}"
+        for rel, text in sources()
+        if rel.endswith(".py")
+        for n, line in enumerate(text.splitlines(), 1)
+        if ref.search(line)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_bench_names_say_what_they_measure():
+    """No benchmark named after a GPU, a device call or an issue (`ddp_h200.sh`, `fp8_call.sh`)."""
+    bad = re.compile(r"h100|h200|a100|_call\b|call\d|issue|session|_run\d", re.IGNORECASE)
+    named = [p.name for p in (RESULTS.parent).iterdir() if p.is_file() and bad.search(p.stem)]
+    named += [
+        p.relative_to(RESULTS.parent).as_posix()
+        for p in (RESULTS.parent / "results").rglob("*")
+        if bad.search(p.relative_to(RESULTS.parent / "results").as_posix())
+    ]
+    assert not named, named
