@@ -132,7 +132,6 @@ def test_wheel_holds_only_the_projects_own_packages(wheel):
     assert {n.split("/")[0] for n in names} == OWN_PACKAGES
 
 
-DEPS = ("torch", "triton")  # what the shipped modules import beyond the standard library
 # Run by a fresh venv's python from outside the clone: imports each module the installed
 # distribution lists, says where each came from, and calls the fused loss once (on CPU in the
 # Triton interpreter, as TRITON_INTERPRET=1 from conftest.py asks).
@@ -151,16 +150,18 @@ print(json.dumps(dict(where=where, path=sys.path, diff=diff)))
 
 def test_the_installed_wheel_imports_every_module_it_ships(wheel, tmp_path):
     """pip installs the wheel into a fresh venv, whose python, started outside the clone, imports
-    every module it ships from there. The venv borrows this environment's site-packages (torch,
-    triton) through a .pth line, which adds the folder without running its .pth files, so an
-    editable install of this clone cannot put the clone on sys.path."""
+    every module it ships from there. The venv borrows this environment's copies of the declared
+    dependencies (torch, triton, ...) through a .pth line naming their folder, which adds it
+    without running its .pth files: an editable install of this clone cannot join sys.path."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = str(venv / "bin" / "python")
     purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     inner = subprocess.run([python, "-c", purelib], capture_output=True, text=True, check=True)
     site = inner.stdout.strip()
-    outer = {os.path.dirname(os.path.dirname(importlib.util.find_spec(m).origin)) for m in DEPS}
+    deps = [re.match(r"[\w.-]+", d)[0] for d in load_pyproject()["project"]["dependencies"]]
+    specs = [importlib.util.find_spec(d) for d in deps]  # what test_layout.py lets the wheel use
+    outer = {os.path.dirname(os.path.dirname(s.origin)) for s in specs if s and s.origin}
     with open(os.path.join(site, "borrowed.pth"), "w") as f:
         f.write("".join(d + "\n" for d in sorted(outer)))
     pip = [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index"]
