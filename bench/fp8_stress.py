@@ -10,13 +10,13 @@ spiked by 7 nats at one step of seed 7, and the plain run sat 0.93 nats from it 
 """
 
 import argparse
-import json
 import os
 import tempfile
 
 import train
 from bench.common import write_json
 from bench.throughput import PLAIN
+from gpt2_fused.core.jsonl import read_jsonl
 
 ARGS = [  # also tests/test_fp8.py's (STRESS_ARGS): one list
     "--n_layer=4",
@@ -37,8 +37,7 @@ ARGS = [  # also tests/test_fp8.py's (STRESS_ARGS): one list
 
 def losses(out_dir):
     """{step: train loss} of a run's log.jsonl."""
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        recs = [json.loads(line) for line in f]
+    recs = read_jsonl(os.path.join(out_dir, "log.jsonl"))
     return {r["step"]: r["loss"] for r in recs if "loss" in r and "val_loss" not in r}
 
 

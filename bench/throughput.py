@@ -45,7 +45,7 @@ import numpy as np
 
 from data.prepare import CACHE_DIR
 from data.shards import write_shard
-from gpt2_fused.core.runlog import read_jsonl
+from gpt2_fused.core.jsonl import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

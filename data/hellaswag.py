@@ -24,7 +24,6 @@ with index % world_size == r) and the counts are summed with an all-reduce.
 import argparse
 import contextlib
 import hashlib
-import json
 import math
 import os
 import urllib.error
@@ -42,6 +41,7 @@ from data.prepare import CACHE_DIR
 from data.tokenizer import EOT, get_tokenizer
 from gpt2_fused.core import cli
 from gpt2_fused.core.errors import run_main
+from gpt2_fused.core.jsonl import iter_jsonl
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 VAL_EXAMPLES = 10042  # lines of hellaswag_val.jsonl, one example each
@@ -110,21 +110,7 @@ def load_examples(path):
         raise FileNotFoundError(
             f"HellaSwag file {path} not found; get it with: python -m data.hellaswag download"
         )
-    out = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
-            if not text.strip():
-                continue
-            try:
-                ex = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: bad JSON ({e.msg} at column {e.colno})") from None
-            out.append((*_check_example(ex, where), lineno))
+    out = [(*_check_example(ex, f"{path}:{n}"), n) for n, ex in iter_jsonl(path)]
     if not out:
         raise ValueError(f"{path}: no examples (empty file)")
     return out

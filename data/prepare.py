@@ -33,6 +33,7 @@ import numpy as np
 from data.shards import DataError, read_header, write_shard
 from data.tokenizer import EOT, get_tokenizer
 from gpt2_fused.core.errors import UsageError
+from gpt2_fused.core.jsonl import iter_jsonl
 
 # Prepared datasets and downloads go to data/cache/ in the clone, or to $GPT2_FUSED_CACHE (a bigger
 # disk, a shared folder; as HF_DATASETS_CACHE moves `datasets`' cache), never beside installed code.
@@ -114,19 +115,18 @@ def iter_text_docs(path):
 
 
 def iter_jsonl_docs(path, key="text"):
-    """The non-empty `key` fields of a JSON-lines file."""
-    for lineno, line in enumerate(read_lines(path), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({e})") from None
-        if not isinstance(row, dict) or key not in row:
-            raise DataError(f"{path}:{lineno}: expected an object with a {key!r} field")
-        text = row[key]
-        if text and text.strip():
-            yield text
+    """The non-empty `key` fields of a JSON-lines file (see open_text)."""
+    try:
+        for lineno, row in iter_jsonl(path, lines=read_lines(path)):
+            if not isinstance(row, dict) or key not in row:
+                raise DataError(f"{path}:{lineno}: expected an object with a {key!r} field")
+            text = row[key]
+            if text and text.strip():
+                yield text
+    except DataError:
+        raise
+    except ValueError as e:  # a line that is not JSON, which iter_jsonl names
+        raise DataError(str(e)) from None
 
 
 def iter_file_docs(paths, fmt):

@@ -128,7 +128,7 @@ GOOD = fixture_records()[0]
 @pytest.mark.parametrize(
     "line,message",
     [
-        ('{"ctx": "a", "endings": ["x", "y"', "bad JSON"),
+        ('{"ctx": "a", "endings": ["x", "y"', "not a JSON line"),
         ('["not", "an", "object"]', "expected a JSON object, got list"),
         (
             json.dumps({k: v for k, v in GOOD.items() if k != "ctx"}),
@@ -388,7 +388,7 @@ def test_download_rejects_bad_downloads_and_keeps_nothing(tmp_path, fake_fetch, 
     lines = body.splitlines(keepends=True)
     broken = b"".join(lines[:2] + [b'{"ctx": "oops"\n'] + lines[3:])
     fake_fetch.set(lambda url: FakeResponse(broken))
-    with pytest.raises(ValueError, match=r"hellaswag_val\.jsonl\.tmp:3: bad JSON"):
+    with pytest.raises(ValueError, match=r"hellaswag_val\.jsonl\.tmp:3: not a JSON line"):
         hs.download(out_dir)
     assert os.listdir(out_dir) == []
 

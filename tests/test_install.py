@@ -3,6 +3,7 @@ only the project's own packages, the locks README and CI install from, and where
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OWN_DISTRIBUTION = "gpt2-fused"
 OWN_PACKAGES = {"gpt2_fused", "fused_loss"}
+CLONE_ONLY = {"gpt2_fused.core"}  # imports the clone's model.py: runs from the clone
 
 
 def repo_top_level_names(root=REPO):
@@ -74,9 +76,20 @@ def load_pyproject():
         return tomllib.load(f)
 
 
+def package_modules(packages, root=REPO):
+    """The .py files (relative paths) of the listed packages, subpackages not included."""
+    return {
+        os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/")
+        for d in (os.path.join(root, *p.split(".")) for p in packages)
+        for f in os.listdir(d)
+        if f.endswith(".py")
+    }
+
+
 def test_pyproject_installs_only_the_projects_own_packages():
     """No py-modules and no data package: the commands run from the clone, so `pip install -e .`
-    puts nothing named train, model, data or kernels into site-packages."""
+    puts nothing named train, model, data or kernels into site-packages. Of the project's own
+    packages, all but the commands' plumbing ship (it needs model.py: pyproject.toml says why)."""
     st = load_pyproject()["tool"]["setuptools"]
     assert "py-modules" not in st and "data" not in st.get("package-data", {})
     packages = set(st["packages"])
@@ -87,28 +100,84 @@ def test_pyproject_installs_only_the_projects_own_packages():
         for d, _, files in os.walk(os.path.join(REPO, top))
         if "__init__.py" in files
     }
-    assert packages == on_disk  # every subpackage ships, or an installed import fails
+    assert packages == on_disk - CLONE_ONLY  # a subpackage left out is an ImportError installed
 
 
-def test_wheel_holds_only_the_projects_own_packages(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
     """The wheel setuptools builds from pyproject.toml, from a copy of what it reads."""
     setuptools = pytest.importorskip("setuptools")
     old = tuple(int(v) for v in setuptools.__version__.split(".")[:2]) < (70, 1)
     if old and importlib.util.find_spec("wheel") is None:  # built without isolation here
         pytest.skip("setuptools < 70.1 builds wheels through the wheel package, not installed")
-    src = tmp_path / "src"
+    out = tmp_path_factory.mktemp("wheel")
+    src = out / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md", *OWN_PACKAGES):
         subprocess.run(["cp", "-r", os.path.join(REPO, name), str(src)], check=True)
     cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation"]
-    res = subprocess.run([*cmd, "-q", "-w", str(tmp_path)], capture_output=True, text=True)
+    res = subprocess.run([*cmd, "-q", "-w", str(out)], capture_output=True, text=True)
     if res.returncode != 0 and "No module named pip" in res.stderr:
         pytest.skip("no pip in this environment")
     assert res.returncode == 0, res.stdout + res.stderr
-    (wheel,) = tmp_path.glob("gpt2_fused-*.whl")
+    (path,) = out.glob("gpt2_fused-*.whl")
+    return path
+
+
+def test_wheel_holds_only_the_projects_own_packages(wheel):
+    """Every module of the packages pyproject.toml lists, and nothing else."""
     with zipfile.ZipFile(wheel) as z:
-        tops = {n.split("/")[0] for n in z.namelist()}
-    assert {t for t in tops if not t.endswith(".dist-info")} == OWN_PACKAGES
+        names = [n for n in z.namelist() if not n.split("/")[0].endswith(".dist-info")]
+    assert set(names) == package_modules(load_pyproject()["tool"]["setuptools"]["packages"])
+    assert {n.split("/")[0] for n in names} == OWN_PACKAGES
+
+
+# Run by a fresh venv's python from outside the clone: imports each module the installed
+# distribution lists, says where each came from, and calls the fused loss once (on CPU in the
+# Triton interpreter, as TRITON_INTERPRET=1 from conftest.py asks).
+IMPORT_ALL = """
+import importlib, importlib.metadata, json, sys
+files = [f for f in importlib.metadata.files("gpt2-fused") if f.suffix == ".py"]
+names = [".".join(f.with_suffix("").parts).removesuffix(".__init__") for f in files]
+where = {n: importlib.import_module(n).__file__ for n in names}
+import torch
+from fused_loss import fused_linear_cross_entropy as loss
+x, w, t = torch.randn(6, 8), torch.randn(11, 8), torch.tensor([0, 3, -100, 10, 2, 5])
+diff = (loss(x, w, t) - torch.nn.functional.cross_entropy(x @ w.T, t)).abs().item()
+print(json.dumps(dict(where=where, path=sys.path, diff=diff)))
+"""
+
+
+def test_the_installed_wheel_imports_every_module_it_ships(wheel, tmp_path):
+    """pip installs the wheel into a fresh venv, whose python, started outside the clone, imports
+    every module it ships from there. The venv borrows this environment's copies of the declared
+    dependencies (torch, triton, ...) through a .pth line naming their folder, which adds it
+    without running its .pth files: an editable install of this clone cannot join sys.path."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    inner = subprocess.run([python, "-c", purelib], capture_output=True, text=True, check=True)
+    site = inner.stdout.strip()
+    deps = [re.match(r"[\w.-]+", d)[0] for d in load_pyproject()["project"]["dependencies"]]
+    specs = [importlib.util.find_spec(d) for d in deps]  # what test_layout.py lets the wheel use
+    outer = {os.path.dirname(os.path.dirname(s.origin)) for s in specs if s and s.origin}
+    with open(os.path.join(site, "borrowed.pth"), "w") as f:
+        f.write("".join(d + "\n" for d in sorted(outer)))
+    pip = [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index"]
+    res = subprocess.run([*pip, "-q", str(wheel)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # TRITON_INTERPRET stays
+    res = subprocess.run(
+        [python, "-c", IMPORT_ALL], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.splitlines()[-1])
+    assert not [p for p in got["path"] if p == REPO or p.startswith(REPO + os.sep)]
+    with zipfile.ZipFile(wheel) as z:
+        shipped = {n for n in z.namelist() if n.endswith(".py")}
+    assert {os.path.relpath(f, site).replace(os.sep, "/") for f in got["where"].values()} == shipped
+    assert got["diff"] < 1e-4
 
 
 # ---------------------------------------------------------------- the locks, README and CI

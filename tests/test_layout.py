@@ -4,6 +4,8 @@ private names. A new upward import or a `from x import _name` fails here with th
 
 import ast
 import pathlib
+import re
+import sys
 
 import pytest
 
@@ -112,3 +114,74 @@ def test_the_checks_see_an_upward_import_and_a_private_name(tmp_path):
         LAYERS.index("gpt2_fused.core"),
     ]
     assert private_reaches(bad, "gpt2_fused.kernels.mlp") == ["3: generate._step"]
+
+
+# ---------------------------------------------------------------- what the wheel ships
+
+
+def pyproject():
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: tomli, which pytest itself needs there
+        tomllib = pytest.importorskip("tomli")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def in_wheel(module, shipped):
+    """Whether the wheel ships a repo module, by its dotted name: a package (a folder) if listed,
+    a module file if its folder is (gpt2_fused.core.x is not, though gpt2_fused is listed)."""
+    if ROOT.joinpath(*module.split(".")).is_dir():
+        return module in shipped
+    return module.rpartition(".")[0] in shipped
+
+
+def is_repo_module(name):
+    """A dotted name of this clone's own: its first part is a .py file or a folder at the root."""
+    top = name.split(".")[0]
+    return (ROOT / f"{top}.py").is_file() or (ROOT / top).is_dir()
+
+
+def outside_the_wheel(path, shipped, allowed):
+    """(line, name) of each import of a file that the wheel alone cannot satisfy: a repo module it
+    does not ship, or a third-party package that is not in `allowed`."""
+    wrong = []
+    for line, target, names in imports(path):
+        if not is_repo_module(target):
+            if target.split(".")[0] not in allowed:
+                wrong.append((line, target))
+            continue
+        folder = ROOT.joinpath(*target.split("."))
+        subs = [f"{target}.{n}" for n in names if (folder / f"{n}.py").is_file()]
+        subs += [f"{target}.{n}" for n in names if (folder / n).is_dir()]
+        wrong += [(line, m) for m in [target, *subs] if not in_wheel(m, shipped)]
+    return wrong
+
+
+SHIPPED = set(pyproject()["tool"]["setuptools"]["packages"])
+DEPENDENCIES = {re.match(r"[\w.-]+", d)[0] for d in pyproject()["project"]["dependencies"]}
+
+
+@pytest.mark.parametrize(
+    "module, path", [(m, p) for m, p in sources() if in_wheel(m, SHIPPED)], ids=str
+)
+def test_the_wheel_imports_only_itself_the_standard_library_and_its_dependencies(module, path):
+    """pyproject.toml ships the lowest layers as a library; none of their modules may import the
+    clone (model.py, gpt2_fused/core/, data/, ...) or a package the wheel does not require."""
+    allowed = set(sys.stdlib_module_names) | DEPENDENCIES
+    wrong = outside_the_wheel(path, SHIPPED, allowed)
+    assert not wrong, "\n".join(f"{path.relative_to(ROOT)}:{n} imports {t}" for n, t in wrong)
+
+
+def test_the_wheel_check_sees_the_clone_and_an_undeclared_package(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import torch\nimport model\nfrom gpt2_fused import core\nfrom gpt2_fused.kernels import"
+        " mlp\nimport yaml\nfrom gpt2_fused.core.errors import UsageError\n"
+    )
+    wrong = outside_the_wheel(bad, {"gpt2_fused", "gpt2_fused.kernels"}, {"torch"})
+    assert wrong == [
+        (2, "model"),
+        (3, "gpt2_fused.core"),
+        (5, "yaml"),
+        (6, "gpt2_fused.core.errors"),
+    ]

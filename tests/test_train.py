@@ -22,7 +22,8 @@ from data.loader import iter_val_batches
 from gpt2_fused.core import compile_guard, config, model_io
 from gpt2_fused.core.checkpoint import list_checkpoints
 from gpt2_fused.core.compile_guard import CompileMismatch
-from gpt2_fused.core.runlog import RunLog, StepLog, StepStats, read_jsonl
+from gpt2_fused.core.jsonl import read_jsonl
+from gpt2_fused.core.runlog import RunLog, StepLog, StepStats
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,6 +11,7 @@ import torch
 
 from gpt2_fused.core.checkpoint import newest_note
 from gpt2_fused.core.config import flat
+from gpt2_fused.core.jsonl import read_jsonl
 
 
 class StepStats:
@@ -126,24 +127,6 @@ class StepLog:
 class LogError(OSError):
     """out_dir/log.jsonl cannot be written (disk full) or read back on resume; the message names
     it."""
-
-
-def read_jsonl(path, torn_tail=False):
-    """The records of a JSON-lines file (out_dir/log.jsonl), blank lines skipped; a line that is
-    not JSON is a ValueError naming path:line. torn_tail: a last line with no newline that is not
-    JSON (a write cut short by a full disk or a kill) is dropped instead."""
-    recs = []
-    with open(path) as f:
-        lines = f.read().split("\n")  # the last item: "" after a newline, else a torn line
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                if torn_tail and n == len(lines):
-                    break
-                raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
-    return recs
 
 
 def trim_log(path, step):
