@@ -377,7 +377,7 @@ def main(argv=None, train_loader=DataLoader):
 
         tokens_per_step = cfg.batch_size * T * world_size * grad_accum
         flops_per_step = raw_model.flops_per_token() * tokens_per_step
-        peak = peak_flops(device_name(device)) if dtype == torch.bfloat16 else None
+        peak = peak_flops(device_name(device), dtype)
         if procs.master:
             compile_mode = cfg.compile_mode if use_compile else False
             globs = (train_glob, val_glob)
