@@ -6,6 +6,8 @@ import sys
 
 import torch
 
+from gpt2_fused.kernels import fast_paths
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -81,6 +83,22 @@ def peak_flops(device_name, dtype):
         if re.search(rf"(?:^|[\s-]){re.escape(row[0])}{PEAK_SUFFIX}$", name):
             return row[PEAK_COLUMN[dtype]]
     return None
+
+
+def fast_path_notes(cfg, device, dtype):
+    """The start-up notice, as a list of at most one line, of the fast paths that `cfg` (a
+    TrainConfig) asks for and that this GPU or dtype rules out (kernels/fast_paths.py)."""
+    m = cfg.model
+    asked = {
+        "loss": m.loss_impl == "fast",
+        "loss epilogue": m.loss_impl == "fast",
+        "mlp": m.mlp_impl == "fast",
+        "attention": m.attn_impl == "fast" and m.dropout == 0,
+        "adamw": cfg.adamw_impl == "fast",
+        "gemv": cfg.sample_interval > 0,
+    }
+    line = fast_paths.notice([name for name, on in asked.items() if on], device, dtype)
+    return [line] if line else []
 
 
 def keep_freed_memory():
