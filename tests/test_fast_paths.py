@@ -117,7 +117,7 @@ def test_fused_loss_gradient_underflows_in_fp16():
     fp16 and within bf16's rounding in bf16. Against fp64 on the same inputs, in the interpreter;
     should this ever pass for fp16, the table may let fp16 in."""
     torch.manual_seed(0)
-    N, D, V = 16, 16, 512
+    N, D, V = 8, 16, 512
     x, w = torch.randn(N, D), torch.randn(V, D) * 1e-3  # logits ~1e-3: p ~ 1 / V
     y = torch.randint(0, 8, (N,))  # targets among the first 8 rows: the rest is softmax only
     g = 1.0 / 65536
@@ -218,7 +218,7 @@ SHARED_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024}
 @pytest.mark.parametrize("cc", sorted(SHARED_PER_BLOCK))
 def test_triton_kernels_fit_the_shared_memory_of_ampere_cards(cc):
     got = compile_for_sm90(SHARED.replace("sys.argv[1]", str(cc)))
-    assert len(got) == 13
+    assert len(got) == 12
     for name, (shared, threads) in got.items():
         assert shared <= SHARED_PER_BLOCK[cc] and threads <= 1024, (cc, name, shared, threads)
 

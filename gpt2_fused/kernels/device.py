@@ -42,14 +42,6 @@ def capability(device=None):
     return tuple(torch.cuda.get_device_capability(device))
 
 
-def is_hopper(device=None):
-    """Whether `device` (None: the current CUDA device) is a Hopper GPU (compute capability 9.x);
-    False for a device that is not CUDA."""
-    if device is not None and torch.device(device).type != "cuda":
-        return False
-    return capability(device)[0] == 9
-
-
 @contextlib.contextmanager
 def launch_overrides(table, **entries):
     """`table` (one device's LAUNCH dict of a kernel module) with `entries` in place of its values
