@@ -254,3 +254,30 @@ def test_gpu_training_under_a_forced_capability(
     for m in built:
         assert m.fused_loss and not m.transformer.h[0].attn.use_fast
         assert m.transformer.h[0].mlp.use_cublaslt and m.transformer.h[0].use_gemv
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cc", ["8.0", "8.6", "8.9", "9.0"])
+def test_gpu_step_takes_the_paths_of_the_forced_capability(force, monkeypatch, cc):
+    """A bf16-autocast training step of a small model: the loss's logits-GEMM epilogue and the
+    cuDNN attention op run under a forced sm_90 only (on an H100: its own paths), the cuBLAS
+    GEMM, the row kernels and the MLP's epilogues under every capability."""
+    force(cc)
+    seen = []
+    for mod, name in ((fl.exp_gemm, "start"), (model_module, "mlp_cublaslt"),
+                      (model_module.attention, "attention_fast")):  # fmt: skip
+        real = getattr(mod, name)
+        monkeypatch.setattr(
+            mod, name, lambda *a, _r=real, _n=name, **kw: seen.append(_n) or _r(*a, **kw)
+        )
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=128, block_size=64)).cuda()
+    idx = torch.randint(0, 50257, (4, 64), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = m(idx, idx)
+    loss.backward()
+    hopper = cc == "9.0"
+    assert torch.isfinite(loss) and m.lm_head.weight.grad.abs().sum() > 0
+    assert ("start" in seen) == hopper and ("attention_fast" in seen) == hopper
+    assert "mlp_cublaslt" in seen
