@@ -23,6 +23,7 @@ from torch import nn
 from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
 from gpt2_fused.kernels import attention, cublaslt, gemv
 from gpt2_fused.kernels.attn_fp8 import attn_fp8
+from gpt2_fused.kernels.fast_paths import compute_dtype, dtype_runs, gpu_runs
 from gpt2_fused.kernels.mlp import mlp_cublaslt
 from gpt2_fused.kernels.mlp_fp8 import mlp_fp8
 
@@ -171,7 +172,10 @@ class MLP(nn.Module):
         # Decided here, once: probing for libcublasLt (ctypes) inside the forward would break
         # torch.compile's graph (tests/test_model.py checks that the forward reaches no probe)
         self.use_cublaslt = (
-            config.mlp_impl == "fast" and torch.cuda.is_available() and cublaslt.available()
+            config.mlp_impl == "fast"
+            and torch.cuda.is_available()
+            and gpu_runs("mlp")
+            and cublaslt.available()
         )
         self.fp8_state = None  # an Fp8State under --fp8=fused (gpt2_fused/core/fp8.py)
 
@@ -201,10 +205,13 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
+        # where the GPU runs the GEMV kernel (kernels/fast_paths.py); decided here, as MLP's
+        self.use_gemv = not torch.cuda.is_available() or gpu_runs("gemv")
 
     def forward(self, x, cache=None, layer=0):
         step = cache is not None and cache.one_token  # a decoding step, not a prefill
-        if step and not self.training and gemv.applies(x, self.attn.c_attn.weight):
+        row = step and self.use_gemv and not self.training
+        if row and gemv.applies(x, self.attn.c_attn.weight):
             return self._decode_row(x, cache, layer)
         if self.attn.fp8_state is not None and cache is None:  # --fp8=fused
             return _mlp_fp8(_attn_fp8(x, self.ln_1, self.attn), self.ln_2, self.mlp)
@@ -264,6 +271,10 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied
         self.lm_head.kept_casts = (None, None)  # the fused loss reads weight's (weight_casts.py)
+        # the fused loss where the GPU runs it (kernels/fast_paths.py; the dtype: at each call)
+        self.fused_loss = config.loss_impl == "fast" and (
+            not torch.cuda.is_available() or gpu_runs("loss")
+        )
         # PaLM's z-loss coefficient of training-mode losses (train.py sets it from --z_loss). An
         # attribute, not a forward argument: a compiled graph takes it as a constant, where a
         # float argument that differs between validation (0) and training turns symbolic
@@ -342,7 +353,7 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is not None:
             loss_fn, kw = linear_cross_entropy_reference, {}
-            if self.config.loss_impl == "fast":
+            if self.fused_loss and dtype_runs("loss", compute_dtype(x)):
                 loss_fn, cast = fused_linear_cross_entropy, self.lm_head.kept_casts[0]
                 dev = x.device.type
                 if cast is not None and torch.is_autocast_enabled(dev):

@@ -49,7 +49,7 @@ from gpt2_fused.core.config import (
     help_text,
     load_config,
 )
-from gpt2_fused.core.device import peak_flops, resolve_dtype
+from gpt2_fused.core.device import fast_path_notes, peak_flops, resolve_dtype
 from gpt2_fused.core.errors import run_main
 from gpt2_fused.core.generate import generate
 from gpt2_fused.core.model_io import checkpoint_settings
@@ -377,14 +377,14 @@ def main(argv=None, train_loader=DataLoader):
 
         tokens_per_step = cfg.batch_size * T * world_size * grad_accum
         flops_per_step = raw_model.flops_per_token() * tokens_per_step
-        peak = peak_flops(device_name(device)) if dtype == torch.bfloat16 else None
+        notes += fast_path_notes(cfg, device, dtype)
         if procs.master:
             compile_mode = cfg.compile_mode if use_compile else False
             globs = (train_glob, val_glob)
             print_start(cfg, procs, raw_model, dtype, compile_mode, grad_accum, globs, notes)
             run_log.open(cfg, start_step, ConfigError)
-        meter = dict(tokens=tokens_per_step, flops=flops_per_step, peak=peak, launched=launched)
-        meter["first"] = start_step
+        meter = dict(tokens=tokens_per_step, flops=flops_per_step, launched=launched)
+        meter.update(first=start_step, peak=peak_flops(device_name(device), dtype))
         steps = StepLog(run_log, print0, cfg, world_size=world_size, **meter)
         check_training = use_compile and cfg.check_compile and cfg.model.dropout == 0.0
         if use_compile and cfg.check_compile and not check_training:

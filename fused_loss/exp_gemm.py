@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 from fused_loss.triton_kernels import LOG2E, _logits, _row_loss, _row_weight, _tanh, _target
-from gpt2_fused.kernels.device import is_hopper, num_sms
+from gpt2_fused.kernels.device import num_sms
+from gpt2_fused.kernels.fast_paths import gpu_runs
 from gpt2_fused.kernels.interpreter import to_dtype
 
 REBASE = 64.0  # nats: E <= e^64 and S <= V e^64 stay finite in bf16 / fp32
@@ -55,13 +56,13 @@ LAUNCH = {
 
 def applies(x, w):
     """The GEMM's TMA descriptors need 16-byte aligned rows and bases; its launch (225 KB of
-    shared memory a block) is tuned and tested on Hopper only: other GPUs (consumer Blackwell
-    has ~100 KB a block) take the cuBLAS GEMM and exp_rows_kernel."""
+    shared memory a block) is tuned and tested on Hopper only (fast_paths.FAST_PATHS): other
+    GPUs take the cuBLAS GEMM and exp_rows_kernel."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
         return False
     if x.shape[1] % 8 or w.shape[0] % 8 or x.data_ptr() % 16 or w.data_ptr() % 16:
         return False
-    return x.device.type != "cuda" or is_hopper(x.device)
+    return x.device.type != "cuda" or gpu_runs("loss epilogue", x.device)
 
 
 @triton.jit

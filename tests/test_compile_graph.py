@@ -17,7 +17,8 @@ import types
 import pytest
 import torch
 
-from gpt2_fused.kernels import cublaslt
+from gpt2_fused.kernels import cublaslt, fast_paths
+from gpt2_fused.kernels.device import capability
 from model import GPT, GPTConfig
 
 OURS = ("model", "fused_loss", "gpt2_fused", "data")  # modules whose functions the walk follows
@@ -31,6 +32,8 @@ def _probe(obj):
         return "a functools.cache function (Dynamo re-traces its body at every call)"
     if callable(obj) and getattr(obj, "__module__", None) == cublaslt.__name__:
         return "gpt2_fused.kernels.cublaslt's Python side (ctypes)"
+    if obj is capability:  # a device query and an environment read (kernels/fast_paths.py)
+        return "the GPU's compute capability"
     return None
 
 
@@ -134,6 +137,13 @@ def test_the_walk_finds_a_probe():
 
     found, _ = reachable_probes([(Probing.forward, Probing)])
     assert found and found[0][0].endswith("helper -> available"), found
+
+    def asks_the_gpu(x):  # the fast-path table's GPU check: for construction, not the forward
+        return fast_paths.gpu_runs("mlp") and x
+
+    asks_the_gpu.__module__ = "model"
+    found, _ = reachable_probes([(asks_the_gpu, None)])
+    assert found and found[0][0].endswith("asks_the_gpu -> gpu_runs -> capability"), found
 
 
 @pytest.mark.gpu

@@ -173,16 +173,46 @@ def test_lr_schedule():
     assert get_lr(35, cfg) == pytest.approx(expected)
 
 
-def test_peak_flops_lookup():
-    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert peak_flops("NVIDIA H100 PCIe") == 756e12
-    assert peak_flops("NVIDIA H200") == 989e12
-    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert peak_flops("NVIDIA L4") == 121e12
-    assert peak_flops("NVIDIA L40S") == 362e12 and peak_flops("NVIDIA L40") == 181e12
-    assert peak_flops("NVIDIA GH200 480GB") == 989e12
-    assert peak_flops("cpu") is None
-    assert peak_flops("Some Future GPU") is None
+# torch.cuda.get_device_name() as these GPUs report it -> dense (bf16, fp16, fp32) TFLOP/s from
+# their spec sheets (GeForce: FP32 accumulate; fp32: TF32 tensor cores where there are any)
+PEAKS = {
+    "NVIDIA GeForce RTX 4090": (165.2, 165.2, 82.6),
+    "NVIDIA GeForce RTX 3090": (71, 71, 35.6),
+    "NVIDIA GeForce RTX 5090": (209.5, 209.5, 104.8),
+    "Tesla T4": (None, 65, 8.1),
+    "Tesla V100-SXM2-16GB": (None, 125, 15.7),
+    "Tesla V100-PCIE-32GB": (None, 112, 14),
+    "NVIDIA A10G": (70, 70, 35),
+    "NVIDIA A10": (125, 125, 62.5),
+    "NVIDIA A100-SXM4-40GB": (312, 312, 156),
+    "NVIDIA A100 80GB PCIe": (312, 312, 156),
+    "NVIDIA H100 80GB HBM3": (989, 989, 495),
+    "NVIDIA H100 PCIe": (756, 756, 378),
+    "NVIDIA H100 NVL": (835, 835, 418),
+    "NVIDIA H200": (989, 989, 495),
+    "NVIDIA GH200 480GB": (989, 989, 495),
+    "NVIDIA L4": (121, 121, 60),
+    "NVIDIA L40S": (362, 362, 183),
+    "NVIDIA L40": (181, 181, 90.5),
+    "NVIDIA B200": (2250, 2250, 1125),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PEAKS))
+def test_peak_flops_by_gpu_and_dtype(name):
+    got = [peak_flops(name, dt) for dt in (torch.bfloat16, torch.float16, torch.float32)]
+    assert got == [None if t is None else pytest.approx(t * 1e12) for t in PEAKS[name]]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["cpu", "Some Future GPU", "NVIDIA GeForce RTX 4090 D", "NVIDIA GeForce RTX 4090 Laptop GPU",
+     "NVIDIA GeForce RTX 3090 Ti", "NVIDIA H800", "NVIDIA RTX A6000", "", None],
+)  # fmt: skip
+def test_peak_flops_unknown_gpu_gives_no_mfu(name):
+    """A name that is not in the table, or a variant of one (another chip or clock), has no
+    peak: the step lines then show no MFU rather than a wrong one."""
+    assert all(peak_flops(name, dt) is None for dt in (torch.bfloat16, torch.float32))
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*.py"))))

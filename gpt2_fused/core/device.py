@@ -1,9 +1,12 @@
 """Which device and dtype a process computes on, and facts about the hardware."""
 
 import ctypes
+import re
 import sys
 
 import torch
+
+from gpt2_fused.kernels import fast_paths
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,30 +38,67 @@ def resolve_dtype(name, device):
     return DTYPES[name]
 
 
-# Dense bf16 tensor-core peak FLOP/s by substring of torch.cuda.get_device_name(), most specific
-# first (vendor spec sheets, no sparsity).
-PEAK_BF16_FLOPS = (
-    ("h100 pcie", 756e12),
-    ("h100 nvl", 835e12),
-    ("h200 nvl", 835e12),
-    ("h100", 989e12),  # SXM
-    ("h200", 989e12),  # SXM, and GH200
-    ("a100", 312e12),
-    ("l40s", 362e12),
-    ("l40", 181e12),
-    ("l4", 121e12),
-    ("rtx 4090", 165e12),
-    ("mi300x", 1307e12),
+# Dense peak FLOP/s (vendor spec sheets and whitepapers, no sparsity) by GPU: (key, bf16, fp16,
+# fp32), None where the GPU has no such path. GeForce cards: the FP32-accumulate figure (what
+# autocast's GEMMs use; half their FP16-accumulate one). fp32 is what an fp32 run's matmuls reach:
+# TF32 tensor cores from Ampere on (train.py allows TF32), the CUDA cores on T4 and V100. The
+# A10G (AWS's part) has no NVIDIA sheet: the figures cloud vendors list (half the A10's tensor
+# rate).
+# A key matches a name's model (lower case) followed only by memory and form-factor words
+# (PEAK_SUFFIX): "rtx 4090" takes "NVIDIA GeForce RTX 4090", not "... RTX 4090 D" or a laptop's.
+# Most specific key first.
+PEAK_FLOPS = (
+    ("h100 pcie", 756e12, 756e12, 378e12),
+    ("h100 nvl", 835e12, 835e12, 418e12),
+    ("h200 nvl", 835e12, 835e12, 418e12),
+    ("h100", 989e12, 989e12, 495e12),  # SXM
+    ("h200", 989e12, 989e12, 495e12),  # SXM
+    ("gh200", 989e12, 989e12, 495e12),
+    ("b200", 2250e12, 2250e12, 1125e12),
+    ("a100", 312e12, 312e12, 156e12),  # SXM and PCIe alike
+    ("a10g", 70e12, 70e12, 35e12),
+    ("a10", 125e12, 125e12, 62.5e12),
+    ("l40s", 362e12, 362e12, 183e12),
+    ("l40", 181e12, 181e12, 90.5e12),
+    ("l4", 121e12, 121e12, 60e12),
+    ("rtx 3090", 71e12, 71e12, 35.6e12),
+    ("rtx 4090", 165.2e12, 165.2e12, 82.6e12),
+    ("rtx 5090", 209.5e12, 209.5e12, 104.8e12),
+    ("t4", None, 65e12, 8.1e12),  # no bf16 tensor cores, no TF32
+    ("v100-pcie", None, 112e12, 14e12),
+    ("v100s", None, 130e12, 16.4e12),
+    ("v100", None, 125e12, 15.7e12),  # SXM2
+    ("mi300x", 1307e12, 1307e12, None),
 )
+PEAK_SUFFIX = r"(?:[\s-]+(?:\d+gb|pcie|sxm\d*|hbm\d*e?))*"
+PEAK_COLUMN = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
 
-def peak_flops(device_name):
-    """bf16 dense peak FLOP/s for a GPU name, or None when unknown (MFU is then not reported)."""
+def peak_flops(device_name, dtype):
+    """Dense peak FLOP/s of a GPU (its torch.cuda.get_device_name()) for matmuls in `dtype`, or
+    None for a GPU not in PEAK_FLOPS or a dtype it has no figure for: no MFU then, rather than
+    a wrong one."""
     name = (device_name or "").lower()
-    for key, flops in PEAK_BF16_FLOPS:
-        if key in name:
-            return flops
+    for row in PEAK_FLOPS:
+        if re.search(rf"(?:^|[\s-]){re.escape(row[0])}{PEAK_SUFFIX}$", name):
+            return row[PEAK_COLUMN[dtype]]
     return None
+
+
+def fast_path_notes(cfg, device, dtype):
+    """The start-up notice, as a list of at most one line, of the fast paths that `cfg` (a
+    TrainConfig) asks for and that this GPU or dtype rules out (kernels/fast_paths.py)."""
+    m = cfg.model
+    asked = {
+        "loss": m.loss_impl == "fast",
+        "loss epilogue": m.loss_impl == "fast",
+        "mlp": m.mlp_impl == "fast",
+        "attention": m.attn_impl == "fast" and m.dropout == 0,
+        "adamw": cfg.adamw_impl == "fast",
+        "gemv": cfg.sample_interval > 0,
+    }
+    line = fast_paths.notice([name for name, on in asked.items() if on], device, dtype)
+    return [line] if line else []
 
 
 def keep_freed_memory():

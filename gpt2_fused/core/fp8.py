@@ -37,6 +37,9 @@ import re
 import torch
 from torch import nn
 
+from gpt2_fused.kernels.device import capability
+from gpt2_fused.kernels.fast_paths import gpu_runs
+
 RECIPES = ("off", "tensorwise", "rowwise", "fused")
 # torchao 0.17 is the first release built against torch's stable ABI (torch 2.11 and later);
 # older ones must match torch's version exactly. This module is written against 0.18's API.
@@ -114,8 +117,8 @@ def _check_gpu(recipe, device):
             f"fp8={recipe!r} needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+: "
             f"Ada, Hopper, Blackwell), this run is on {device.type}: pass --fp8=off"
         )
-    name, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
-    if cc < (8, 9):
+    name, cc = torch.cuda.get_device_name(device), capability(device)
+    if not gpu_runs("fp8", device):
         raise ValueError(
             f"fp8={recipe!r}: {name} (compute capability {cc[0]}.{cc[1]}) has no FP8 tensor "
             "cores (8.9+: Ada, Hopper, Blackwell): pass --fp8=off"

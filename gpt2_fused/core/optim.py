@@ -6,14 +6,15 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from gpt2_fused.kernels.adamw import MultiTensorAdamW
+from gpt2_fused.kernels.fast_paths import gpu_runs
 
 
 def adamw_parts(model, cfg, device):
     """(optimizer class, param groups, keyword arguments) of the run's AdamW: weight decay only on
     >= 2-D tensors (matmul weights, embeddings), not on biases or LayerNorm gains. On CUDA:
-    MultiTensorAdamW (one Triton launch) for fp32 parameters unless adamw_impl="torch", else
-    torch's fused kernel. Both keep the same state (checkpoints move). sharding.py wraps the same
-    parts in ZeroRedundancyOptimizer."""
+    MultiTensorAdamW (one Triton launch) for fp32 parameters unless adamw_impl="torch" or the GPU
+    is one it does not run on (kernels/fast_paths.py), else torch's fused kernel. Both keep the
+    same state (checkpoints move). sharding.py wraps the same parts in ZeroRedundancyOptimizer."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -21,7 +22,7 @@ def adamw_parts(model, cfg, device):
     ]
     kw = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
     fp32 = all(p.dtype == torch.float32 for p in params)
-    if device.type == "cuda" and cfg.adamw_impl == "fast" and fp32:
+    if device.type == "cuda" and cfg.adamw_impl == "fast" and fp32 and gpu_runs("adamw", device):
         return MultiTensorAdamW, groups, kw
     return torch.optim.AdamW, groups, dict(kw, fused=device.type == "cuda")
 

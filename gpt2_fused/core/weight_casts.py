@@ -38,7 +38,7 @@ def fast_linears(model):
             found += [block.attn.c_attn, block.attn.c_proj]
         if block.mlp.use_cublaslt and block.mlp.fp8_state is None:
             found += [block.mlp.c_fc, block.mlp.c_proj]
-    head = [model.lm_head] if model.config.loss_impl == "fast" else []
+    head = [model.lm_head] if model.fused_loss else []
     return head + [m for m in found if m.bias is not None]
 
 

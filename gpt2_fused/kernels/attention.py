@@ -28,15 +28,16 @@ import torch
 import torch.nn.functional as F
 
 from gpt2_fused.kernels.colsum import qkv_grad
-from gpt2_fused.kernels.device import is_hopper
+from gpt2_fused.kernels.fast_paths import gpu_runs
 from gpt2_fused.kernels.mlp import as_compute, half_compute_dtype, linear_add, mm_as
 
 
 def available():
-    """cuDNN's fused attention on a Hopper GPU (the only ones this op is tested on)."""
+    """cuDNN's fused attention on a GPU this op runs on (fast_paths.FAST_PATHS: Hopper, the only
+    ones it is tested on)."""
     return (
         torch.cuda.is_available()
-        and is_hopper()
+        and gpu_runs("attention")
         and torch.backends.cudnn.is_available()
         and torch.backends.cuda.cudnn_sdp_enabled()
     )

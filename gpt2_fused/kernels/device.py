@@ -1,4 +1,4 @@
-"""What the kernels' launches ask of the GPU (its SM count, whether it is Hopper), and a LAUNCH
+"""What the kernels' launches ask of the GPU (its SM count, its compute capability), and a LAUNCH
 table's entries overridden for a block of code.
 
 Here, in the lowest layer, so that fused_loss/ and the kernels beside this module share one copy
@@ -8,6 +8,7 @@ serve it). Nothing here queries a device at import.
 
 import contextlib
 import functools
+import os
 
 import torch
 
@@ -22,13 +23,23 @@ def num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def is_hopper(device=None):
-    """Whether `device` (None: the current CUDA device) is a Hopper GPU (compute capability 9.x),
-    the only ones the TMA GEMM and cuDNN attention paths are tuned and tested on; False for a
-    device that is not CUDA. Not cached: torch caches the properties, and the forward may ask."""
-    if device is not None and torch.device(device).type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] == 9
+# "8.6": every capability check of this package reports sm_86, whatever the GPU (tests and bench
+# run the non-Hopper paths on an H100 with it). Read at each call, not at import
+FORCE_CAPABILITY = "GPT2_FUSED_FORCE_CAPABILITY"
+
+
+def capability(device=None):
+    """(major, minor) compute capability of CUDA device `device` (None: the current one), or what
+    GPT2_FUSED_FORCE_CAPABILITY says ("8.6" -> (8, 6)). Not cached: torch caches the
+    properties, and a test may change the variable."""
+    forced = os.environ.get(FORCE_CAPABILITY)
+    if forced:
+        try:
+            major, minor = (int(v) for v in forced.split("."))
+        except ValueError:
+            raise ValueError(f"{FORCE_CAPABILITY}={forced!r}: give major.minor, e.g. 8.6") from None
+        return major, minor
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from gpt2_fused.kernels.device import num_sms
+from gpt2_fused.kernels.fast_paths import gpu_runs
 from gpt2_fused.kernels.interpreter import to_dtype
 
 ELEMENTS = 8192  # weight elements a program loads (BLOCK_N rows of KP): 16 KB of bf16
@@ -116,7 +117,7 @@ def block_n(n, k, device):
 
 def pdl(device):
     """Programmatic dependent launch: CUDA on sm_90 and later (its PTX needs Hopper)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and gpu_runs("gemv pdl", device)
 
 
 def gemv(x, w, b=None, *, gelu=False, ln=None, residual=None, kv=None, out_dtype=None):
