@@ -39,6 +39,17 @@ def unknown_flag(flag, known, error=UsageError):
     return error(f"{flag}: unknown flag{hint} (--help lists them)")
 
 
+def positive_int(text):
+    """argparse's type for a count that must be >= 1: a bad one is a usage error naming it."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
 def _is_number(text):
     try:
         float(text)
