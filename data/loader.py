@@ -29,6 +29,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from data import resolve_dataset
 from data.shards import DataError, read_header, read_shard
+from gpt2_fused.core.config import ConfigError
 
 VAL_TOKENS = 10_485_760  # 10 * 2**20, the llm.c / modded-nanogpt validation budget
 
@@ -237,8 +238,8 @@ def iter_val_batches(pattern, B, T, rank=0, world_size=1, max_tokens=VAL_TOKENS,
     steps_left = max_tokens // step_tokens
     per_shard = [(f, (read_header(f) - 1) // step_tokens) for f in files]
     step = f"one validation step of batch_size*block_size*world_size = {B}*{T}*{world_size}"
-    if steps_left == 0:  # max_tokens is train.py's val_tokens
-        raise ValueError(
+    if steps_left == 0:  # max_tokens is train.py's val_tokens: a setting out of range, exit 2
+        raise ConfigError(
             f"val_tokens={max_tokens} is less than {step} = {step_tokens} tokens: pass "
             f"--val_tokens={step_tokens} or more"
         )
@@ -281,7 +282,7 @@ def open_data(cfg, train_loader, procs):
             read_shard(path)
         val = iter_val_batches(val_glob, B, T, rank, world_size, cfg.val_tokens, procs.device)
         next(val)
-    except DataError:
+    except (DataError, ConfigError):
         raise
     except (FileNotFoundError, ValueError) as e:  # resolve_dataset's and the loader's name the file
         raise DataError(str(e)) from e

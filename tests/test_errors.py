@@ -242,3 +242,33 @@ def test_a_recipe_before_its_data_names_the_prepare_command(tmp_path, monkeypatc
     msg = one_line_error(functools.partial(train.main, argv), train.USER_ERRORS)
     assert msg.startswith("data error: dataset 'data/cache/")
     assert msg.endswith(f"a folder of shards: not prepared yet? make them with {command}")
+
+
+def test_wandb_that_cannot_start_is_one_line_and_leaves_no_log(tiny_args, tmp_path, monkeypatch):
+    """--wandb=True without a login stops the run in one line (exit 1) before out_dir/log.jsonl
+    is made, as a nanoGPT user expects a run to stop rather than train unlogged."""
+    wandb = pytest.importorskip("wandb")
+
+    def no_login(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_login)
+    out = tmp_path / "out"
+    argv = tiny_args + [f"--out_dir={out}", "--max_steps=2", "--wandb=True"]
+    msg = one_line_error(functools.partial(train.main, argv), train.USER_ERRORS)
+    assert msg == (
+        "log error: wandb=True, but W&B did not start (No API key configured. Use `wandb login` to "
+        "log in.): run `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to log "
+        "locally, or drop --wandb"
+    )
+    assert not out.exists()
+
+
+def test_val_tokens_below_one_step_is_a_config_error(tiny_args, tmp_path, capsys):
+    argv = tiny_args + [f"--out_dir={tmp_path / 'out'}", "--val_tokens=100"]  # a step: 4 * 32
+    with pytest.raises(SystemExit) as exit_:
+        run_main(functools.partial(train.main, argv), train.USER_ERRORS)
+    assert exit_.value.code == 2 and capsys.readouterr().err == (
+        "config error: val_tokens=100 is less than one validation step of "
+        "batch_size*block_size*world_size = 4*32*1 = 128 tokens: pass --val_tokens=128 or more\n"
+    )
