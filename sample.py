@@ -43,7 +43,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1337, help="the sampling RNG's seed")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(
-        "--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bf16 on CUDA, else fp32"
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="auto: bfloat16 on a GPU that has it, else float32",
     )
     p.add_argument(
         "--decode",

@@ -47,7 +47,7 @@ LOCAL_VAL_TOKENS = 2**20  # default val size when it is cut from the head of loc
 _SEPARATOR = "<|endoftext|>"
 
 
-class HubError(DataError):
+class HubError(ConnectionError):
     """The Hugging Face hub cannot be reached (offline, a proxy, a firewall): the message says how
     to get there or what to prepare instead."""
 
