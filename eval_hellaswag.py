@@ -6,8 +6,6 @@ python eval_hellaswag.py --hf-dir ~/gpt2          # GPT-2 itself, from a local H
 torchrun --standalone --nproc_per_node=8 eval_hellaswag.py --ckpt out/
 """
 
-import argparse
-
 import torch
 
 from data import hellaswag
@@ -17,7 +15,7 @@ from gpt2_fused.core.errors import UsageError, run_main
 
 
 def parse_args(argv=None):
-    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest ckpt_*.pt)")
     src.add_argument("--hf-dir", help="local HF GPT-2 directory (config.json + weights)")

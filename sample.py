@@ -13,8 +13,8 @@ The same --seed on the same device gives the same text. One sample is printed as
 come; the speed goes to stderr at the end.
 """
 
-import argparse
 import codecs
+import functools
 import sys
 import time
 from pathlib import Path
@@ -28,21 +28,26 @@ from gpt2_fused.core.errors import UsageError, run_main
 
 # errors the user can fix: one line each (gpt2_fused/core/errors.py), the path named
 def parse_args(argv=None):
-    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt", help="checkpoint file, or an out_dir (its newest ckpt_*.pt)")
     src.add_argument("--hf-dir", help="local HF GPT-2 directory (config.json + weights)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="text to continue (default: <|endoftext|>)")
     prompt.add_argument("--prompt-file", help="file whose text (UTF-8) to continue")
-    p.add_argument("--num-samples", type=int, default=5)
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--num-samples", type=int, default=5, help="samples, one batch")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=200, help="0 = off")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, e.g. 0.95")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=int, default=1337, help="the sampling RNG's seed")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="auto: bfloat16 on a GPU that has it, else float32",
+    )
     p.add_argument(
         "--decode",
         default="auto",
@@ -79,16 +84,23 @@ def main(argv=None):
             text = Path(args.prompt_file).read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text ({e})") from None
+    if args.decode == "graph" and device.type != "cuda":  # before the model: fails fast
+        raise UsageError(
+            f"--decode graph captures a CUDA graph: not on {device}; use --decode eager"
+        )
     dtype = resolve_dtype(args.dtype, device)
-    model = model_io.load_model(args.ckpt, args.hf_dir, device, dtype)
+    say = functools.partial(print, file=sys.stderr)  # stdout is the samples'
+    model = model_io.load_model(args.ckpt, args.hf_dir, device, dtype, say=say)
     enc = get_tokenizer()
 
     ids = enc.encode(text, allowed_special={"<|endoftext|>"}) if text else []
     start = 0 if ids else 1  # an <|endoftext|> we put there ourselves is not printed
     ids = ids or [EOT]
     if max(ids) >= model.config.vocab_size:
-        raise SystemExit(
-            f"prompt token id {max(ids)} >= the model's vocab_size={model.config.vocab_size}"
+        what = "<|endoftext|> (the default prompt)" if ids == [EOT] else "the prompt's token id"
+        raise UsageError(
+            f"{what} {max(ids)} is past the model's vocab_size={model.config.vocab_size}: give a "
+            f"--prompt whose GPT-2 token ids are all below {model.config.vocab_size}"
         )
 
     torch.manual_seed(args.seed)

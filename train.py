@@ -301,7 +301,7 @@ def main(argv=None, train_loader=DataLoader):
     launched = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
-        print(help_text(__doc__))
+        print(help_text(__doc__, [a for a in argv if a not in ("-h", "--help")]))
         return
     cfg = load_config(argv)
     try:
@@ -385,6 +385,7 @@ def main(argv=None, train_loader=DataLoader):
             run_log.open(cfg, start_step, ConfigError)
         meter = dict(tokens=tokens_per_step, flops=flops_per_step, launched=launched)
         meter.update(first=start_step, peak=peak_flops(device_name(device), dtype))
+        meter.update(compiled=use_compile and cfg.compile_mode)
         steps = StepLog(run_log, print0, cfg, world_size=world_size, **meter)
         check_training = use_compile and cfg.check_compile and cfg.model.dropout == 0.0
         if use_compile and cfg.check_compile and not check_training:

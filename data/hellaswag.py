@@ -21,7 +21,6 @@ block_size is scored on truncated contexts. Examples are strided over ranks (ran
 with index % world_size == r) and the counts are summed with an all-reduce.
 """
 
-import argparse
 import contextlib
 import hashlib
 import math
@@ -318,12 +317,10 @@ def download(out_dir=DEFAULT_DIR, url=URL):
 
 
 def main(argv=None):
-    p = cli.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = cli.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("download", help=f"download the validation split ({VAL_EXAMPLES:,} lines)")
-    d.add_argument("--out-dir", default=str(DEFAULT_DIR))
+    d.add_argument("--out-dir", default=str(DEFAULT_DIR), help="where the file goes")
     args = p.parse_args(argv)
     return download(args.out_dir)
 

@@ -29,6 +29,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from data import resolve_dataset
 from data.shards import DataError, read_header, read_shard
+from gpt2_fused.core.config import ConfigError
 
 VAL_TOKENS = 10_485_760  # 10 * 2**20, the llm.c / modded-nanogpt validation budget
 
@@ -125,8 +126,9 @@ class DataLoader:
         for f, n in zip(self.files, self.ntoks, strict=True):
             if n < B * T * world_size + 1:
                 raise ValueError(
-                    f"{f}: {n} tokens is too small for one step of B*T*world_size+1 = "
-                    f"{B}*{T}*{world_size}+1 = {B * T * world_size + 1} tokens"
+                    f"{f}: {n} tokens is too small for one step of batch_size*block_size*"
+                    f"world_size+1 = {B}*{T}*{world_size}+1 = {B * T * world_size + 1} tokens: "
+                    "lower --batch_size, or prepare bigger shards"
                 )
         self._transfer = _Transfer(B, T, device)
         self.reset()
@@ -235,11 +237,18 @@ def iter_val_batches(pattern, B, T, rank=0, world_size=1, max_tokens=VAL_TOKENS,
     step_tokens = B * T * world_size
     steps_left = max_tokens // step_tokens
     per_shard = [(f, (read_header(f) - 1) // step_tokens) for f in files]
-    if sum(n for _, n in per_shard) == 0 or steps_left == 0:
+    step = f"one validation step of batch_size*block_size*world_size = {B}*{T}*{world_size}"
+    if steps_left == 0:  # max_tokens is train.py's val_tokens: a setting out of range, exit 2
+        raise ConfigError(
+            f"val_tokens={max_tokens} is less than {step} = {step_tokens} tokens: pass "
+            f"--val_tokens={step_tokens} or more"
+        )
+    if sum(n for _, n in per_shard) == 0:
+        most = max(read_header(f) for f in files)
         raise ValueError(
-            f"validation shards {files} ({sum(read_header(f) for f in files)} tokens) or "
-            f"max_tokens={max_tokens} are too small for one step of B*T*world_size+1 = "
-            f"{step_tokens + 1} tokens"
+            f"the validation shards {files} hold at most {most} tokens each, fewer than {step} "
+            f"+ 1 = {step_tokens + 1}: prepare a bigger validation set (python -m data.fineweb "
+            "--val-tokens N or --val-from FILES), or lower --batch_size"
         )
     transfer = _Transfer(B, T, device)
     for f, steps in per_shard:
@@ -273,7 +282,7 @@ def open_data(cfg, train_loader, procs):
             read_shard(path)
         val = iter_val_batches(val_glob, B, T, rank, world_size, cfg.val_tokens, procs.device)
         next(val)
-    except DataError:
+    except (DataError, ConfigError):
         raise
     except (FileNotFoundError, ValueError) as e:  # resolve_dataset's and the loader's name the file
         raise DataError(str(e)) from e

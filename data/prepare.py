@@ -11,7 +11,9 @@ the main stream until they hold >= `val_tokens` tokens.
 Resumable: after each shard is renamed into place, `{name}_prepare.json` records where the document
 stream stood (document index, tokens already written of that document). A rerun with the same
 settings skips the finished shards without tokenising their documents again; the input stream must
-yield the same documents in the same order (files and HF streaming splits do).
+yield the same documents in the same order (files and HF streaming splits do). A run stopped by its
+input (a DataError: a bad file, too few documents) removes the shards it wrote and puts the state
+back as it found it, so that the rerun starts afresh rather than resuming into the same failure.
 
 Local inputs (all may be .xz or .gz compressed):
 - text: WikiExtractor format when the first non-empty line starts with `<doc `; otherwise documents
@@ -32,6 +34,7 @@ import numpy as np
 
 from data.shards import DataError, read_header, write_shard
 from data.tokenizer import EOT, get_tokenizer
+from gpt2_fused.core import cli
 from gpt2_fused.core.errors import UsageError
 from gpt2_fused.core.jsonl import iter_jsonl
 
@@ -43,8 +46,15 @@ CACHE_DIR = CACHE_DIR.expanduser()
 SHARD_SIZE = 10**8  # tokens per shard (200 MB), as in llm.c and modded-nanogpt
 LOCAL_VAL_TOKENS = 2**20  # default val size when it is cut from the head of local files
 _SEPARATOR = "<|endoftext|>"
+
+
+class HubError(ConnectionError):
+    """The Hugging Face hub cannot be reached (offline, a proxy, a firewall): the message says how
+    to get there or what to prepare instead."""
+
+
 # the prepare scripts' errors that are one line on the command line (errors.py)
-CLI_ERRORS = {DataError: "data error"}
+CLI_ERRORS = {DataError: "data error", HubError: "network error"}
 
 
 def open_text(path):
@@ -222,6 +232,7 @@ def prepare(
             }
         )
     )  # JSON round trip so the comparison with a saved state sees the same types
+    made = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     records, complete = _load_records(out_dir, name, settings)
     if complete:
@@ -230,6 +241,34 @@ def prepare(
     if records:
         print(f"{name}: resuming after {len(records)} finished shards in {out_dir}")
 
+    finished = list(records)
+    try:
+        sizes = dict(val_tokens=val_tokens, shard_size=shard_size, workers=workers)
+        _pack(docs, val_docs, out_dir, name, records, settings, progress=progress, **sizes)
+    except DataError:  # the input's fault: a rerun must start where this one did, not resume it
+        _undo(out_dir, name, records[len(finished) :], finished, settings, made)
+        raise
+    return [out_dir / r["file"] for r in records]
+
+
+def _undo(out_dir, name, written, finished, settings, made):
+    """Remove the shards a failed call wrote and put back the state it found (none: no state
+    file, and no out_dir when the call made it)."""
+    for rec in written:
+        (out_dir / rec["file"]).unlink(missing_ok=True)
+    if finished:
+        _save_state(out_dir, name, dict(settings=settings, shards=finished, complete=False))
+    else:
+        _state_path(out_dir, name).unlink(missing_ok=True)
+        if made and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+
+
+def _pack(
+    docs, val_docs, out_dir, name, records, settings, *, val_tokens, shard_size, workers, progress
+):
+    """Tokenise the documents not yet in `records`' shards into more shards, appending each to
+    `records` and to the state file as it is written (see prepare)."""
     get_tokenizer()  # fail early on damaged BPE files
     if val_docs is None:
         stream = (("auto", text) for text in docs)
@@ -310,8 +349,10 @@ def prepare(
         )
     _save_state(out_dir, name, dict(settings=settings, shards=records, complete=True))
     total = sum(r["tokens"] for r in records)
-    print(f"{name}: {len(records)} shards, {val_count:,} val + {total - val_count:,} train tokens")
-    return [out_dir / r["file"] for r in records]
+    print(
+        f"{name}: {len(records)} shards, {val_count:,} val + {total - val_count:,} train tokens "
+        f"in {out_dir}; train on them with --dataset={out_dir}"
+    )
 
 
 def _progress_bar(name, enabled):
@@ -323,8 +364,32 @@ def _progress_bar(name, enabled):
 # ---- command line, shared by data.fineweb and data.tinystories ----
 
 
-def add_prepare_args(parser, default_name):
-    """Options every prepare script takes: local inputs, output place, shard size, workers."""
+def check_hub(repo, command):
+    """Raise HubError at once when dataset `repo` on the Hugging Face hub cannot be reached (one
+    request, through the proxies the environment names, as `datasets`' own go), instead of
+    `datasets`' retries and traceback. command: the script, for the message's --from-text."""
+    from huggingface_hub import HfApi, constants
+
+    local = f"or prepare local text: python -m {command} --from-text FILES"
+    if constants.HF_HUB_OFFLINE:
+        raise HubError(
+            f"{repo} is streamed from the Hugging Face hub, but HF_HUB_OFFLINE is set: unset it, "
+            + local
+        )
+    try:
+        HfApi().dataset_info(repo, timeout=10)
+    except Exception as e:  # requests' or httpx's own errors, by huggingface_hub's version
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        raise HubError(
+            f"cannot reach {repo} on the Hugging Face hub ({constants.ENDPOINT}; {reason}): it "
+            "needs network (behind a proxy: HTTPS_PROXY=http://HOST:PORT; a mirror: "
+            f"HF_ENDPOINT=URL), {local}"
+        ) from e
+
+
+def add_prepare_args(parser, default_name, out_dir):
+    """Options every prepare script takes: local inputs, output place, shard size, workers.
+    out_dir: where the shards go by default, as --help says it."""
     parser.add_argument("--from-text", nargs="+", metavar="FILE", help="local text files")
     parser.add_argument("--from-jsonl", nargs="+", metavar="FILE", help="local JSON-lines files")
     parser.add_argument(
@@ -335,12 +400,14 @@ def add_prepare_args(parser, default_name):
     )
     parser.add_argument(
         "--val-tokens",
-        type=int,
+        type=cli.positive_int,
         help="without --val-from: validation = the first whole documents reaching this many tokens",
     )
-    parser.add_argument("--out-dir", type=Path, help="where the shards go")
+    parser.add_argument("--out-dir", type=Path, help=f"where the shards go (default: {out_dir})")
     parser.add_argument("--name", default=default_name, help="shard file name prefix")
-    parser.add_argument("--shard-size", type=int, default=SHARD_SIZE, help="tokens per shard")
+    parser.add_argument(
+        "--shard-size", type=cli.positive_int, default=SHARD_SIZE, help="tokens per shard"
+    )
     parser.add_argument("--workers", type=int, help="tokeniser processes (default: cores - 1)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -353,7 +420,7 @@ def run_local(args, out_dir):
     for p in list(paths) + list(args.val_from or []):
         if not Path(p).is_file():
             what = "a folder, not a file" if Path(p).is_dir() else "not found"
-            raise SystemExit(f"input file {what}: {p}")
+            raise UsageError(f"input file {what}: {p}")
     val_docs = iter_file_docs(args.val_from, "auto") if args.val_from else None
     val_tokens = None if args.val_from else (args.val_tokens or LOCAL_VAL_TOKENS)
     settings = {

@@ -6,9 +6,11 @@
 From the hub, the dataset's own "validation" split becomes the val shard and "train" the train
 shards. Local text files use the TinyStories release format: stories separated by a line
 `<|endoftext|>`; without `--val-from`, validation is the first 2**20 tokens of whole stories.
+data/cache is $GPT2_FUSED_CACHE when that is set. The hub needs network (`datasets` honours
+HTTPS_PROXY, HF_ENDPOINT and HF_HUB_OFFLINE); offline, the script stops at once saying so.
 """
 
-from data.prepare import CACHE_DIR, CLI_ERRORS, add_prepare_args, prepare, run_local
+from data.prepare import CACHE_DIR, CLI_ERRORS, add_prepare_args, check_hub, prepare, run_local
 from gpt2_fused.core import cli
 from gpt2_fused.core.errors import UsageError, run_main
 
@@ -19,13 +21,16 @@ def hub_docs(split):
     """Story texts of one split of TinyStories, streamed from the HF hub in a fixed order."""
     from datasets import load_dataset
 
+    check_hub(HUB_REPO, "data.tinystories")
     ds = load_dataset(HUB_REPO, split=split, streaming=True)
     return (row["text"] for row in ds)
 
 
 def main(argv=None):
     parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
-    add_prepare_args(parser, default_name="tinystories")
+    add_prepare_args(
+        parser, default_name="tinystories", out_dir=f"{CACHE_DIR}/NAME, NAME from --name"
+    )
     args = parser.parse_args(argv)
     out_dir = args.out_dir or CACHE_DIR / args.name
     if args.from_text or args.from_jsonl:
@@ -52,6 +57,6 @@ if __name__ == "__main__":
 # Expected output from the hub (estimate, not measurable offline: 2.12M train / 22K validation
 # stories of ~220 GPT-2 tokens): tinystories_val_000000.bin ~4.7M tokens (~9.5 MB) and
 # tinystories_train_000001..000005.bin, ~470M tokens in all (~0.95 GB).
-# Measured here: the 5-story fixture /work/shared/data/tinystories/fixture_sample_cs336.txt with
-# --from-text FILE --val-tokens 200 -> tinystories_val_000000.bin 365 tokens (2 stories) and
+# Measured on a 5-story file in the release format with --from-text FILE --val-tokens 200
+# -> tinystories_val_000000.bin 365 tokens (2 stories) and
 # tinystories_train_000001.bin 546 tokens (3 stories); 911 tokens incl. one EOT per story.

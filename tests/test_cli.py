@@ -151,4 +151,14 @@ def test_usage_errors_are_one_line_and_status_2(argv, line):
 def test_help_still_prints_everything(capsys):
     with pytest.raises(SystemExit) as e:
         sample.parse_args(["--help"])
-    assert e.value.code == 0 and "--max-new-tokens" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "tokens generated per sample (default: 200)" in out
+
+
+def test_train_help_shows_the_config_files_values(capsys):
+    import train
+
+    train.main([str(REPO / "configs" / "tinystories.py"), "--max_steps=7", "--help"])
+    out = capsys.readouterr().out
+    assert "Settings (--name=value with " in out and "--max_steps=7 " in out
+    assert "--dataset='data/cache/tinystories' " in out and "  --n_layer=8 " in out

@@ -26,6 +26,7 @@ from data.loader import DataLoader, iter_val_batches
 from data.prepare import iter_file_docs, iter_jsonl_docs, iter_text_docs, prepare
 from data.shards import ShardError, read_header, read_shard, write_shard
 from data.tokenizer import EOT, check_bpe_files, get_tokenizer
+from gpt2_fused.core.errors import UsageError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WIKI = FIXTURES / "wiki_sample.txt"
@@ -271,6 +272,32 @@ def test_prepare_errors(tmp_path):
         prepare(docs, tmp_path / "c", "x", val_tokens=5, shard_size=99, workers=1)
 
 
+def test_a_prepare_stopped_by_its_input_leaves_nothing_in_the_way(tmp_path):
+    """A DataError (too few documents, a bad file) removes what that call wrote: a rerun with
+    other settings is not refused, and one after a resumed start finds the state it left."""
+    docs = list(iter_text_docs(WIKI))
+    out = tmp_path / "a"
+    with pytest.raises(ValueError, match="no training documents"):
+        prepare(docs, out, "x", val_tokens=10**6, shard_size=100, workers=1)  # 2+ val shards
+    assert not out.exists()
+    prepare(docs, out, "x", val_tokens=5, shard_size=100, workers=1)  # not "other settings"
+
+    kw = dict(val_tokens=60, shard_size=37, workers=1)
+    with pytest.raises(Crash):  # a crash (network, Ctrl-C) keeps its shards: a rerun resumes
+        prepare(crashing(docs * 3, 4), tmp_path / "b", "r", **kw)
+    kept = read_dir(tmp_path / "b")
+    state = (tmp_path / "b" / "r_prepare.json").read_text()
+
+    def bad_file(docs):
+        yield from docs
+        raise data.shards.DataError("broken.txt: not UTF-8 text")
+
+    with pytest.raises(ValueError, match="broken.txt"):
+        prepare(bad_file(docs * 3), tmp_path / "b", "r", **kw)
+    assert read_dir(tmp_path / "b") == kept
+    assert (tmp_path / "b" / "r_prepare.json").read_text() == state
+
+
 class Crash(Exception):
     pass
 
@@ -379,7 +406,12 @@ def test_prepare_cli_fineweb_and_tinystories(tmp_path, capsys):
         ("tinystories_val_000000.bin", enc_doc(stories[0])),
         ("tinystories_train_000001.bin", enc_doc(stories[1]) + enc_doc(stories[2])),
     ]
-    with pytest.raises(SystemExit, match="not found"):
+    assert capsys.readouterr().out.endswith(
+        f"in {tmp_path / 'ts'}; train on them with --dataset={tmp_path / 'ts'}\n"
+    )
+    with pytest.raises(UsageError, match="^argument --shard-size: must be a whole number >= 1, "):
+        fineweb.main(["--from-text", str(STORIES), "--shard-size=-1"])
+    with pytest.raises(UsageError, match="^input file not found: "):
         fineweb.main(["--from-jsonl", str(tmp_path / "nope.jsonl"), "--out-dir", str(tmp_path)])
 
 
@@ -651,9 +683,10 @@ def test_val_budget_split_across_ranks(tmp_path):
                 assert np.array_equal(y.reshape(-1).numpy(), val[start + 1 : start + 17])
     first, again = (list(iter_val_batches(pattern, B, T, 1, W, 200)) for _ in range(2))
     assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again, strict=True))
-    with pytest.raises(ValueError, match="too small for one step"):
+    with pytest.raises(ValueError, match="hold at most 1000 tokens each, fewer than one valid"):
         list(iter_val_batches(pattern, 10, 100, 0, 1))
-    with pytest.raises(ValueError, match="too small for one step"):
+    with pytest.raises(ValueError, match=r"^val_tokens=47 is less than one validation step .*"
+                       r"= 48 tokens: pass --val_tokens=48 or more$"):  # fmt: skip
         list(iter_val_batches(pattern, B, T, 0, W, max_tokens=47))
 
 

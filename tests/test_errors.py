@@ -64,7 +64,7 @@ DAMAGE = {  # name -> (which shard, how it is damaged, what the message says)
     "too few val tokens": (
         "val_000000",
         lambda p: write_shard(p, [1] * 100),
-        "are too small for one step",
+        "hold at most 100 tokens each, fewer than one validation step",
     ),
 }
 
@@ -121,8 +121,8 @@ def test_train_py_prints_one_line_and_gpt2_debug_the_traceback(tiny_args, tmp_pa
         assert res.returncode == 1
         if debug == "0":
             assert res.stderr == f"data error: no train shards in {tmp_path} " + (
-                "(expected files matching *_train_*.bin; make them with python -m data.fineweb "
-                "or python -m data.tinystories)\n"
+                "(expected files matching *_train_*.bin): make them with python -m data.fineweb "
+                f"--from-text FILES --out-dir {tmp_path}\n"
             )
         else:
             assert "Traceback" in res.stderr and "DataError: no train shards" in res.stderr
@@ -145,10 +145,21 @@ def test_prepare_names_an_unreadable_input_file(tmp_path, kind):
         assert msg.startswith(f"data error: {path}: cannot be decompressed (")
 
 
-def test_prepare_names_a_folder_given_as_an_input_file(tmp_path):
-    argv = ["--from-text", str(tmp_path), "--out-dir", str(tmp_path / "out"), "--no-progress"]
-    msg = one_line_error(functools.partial(data.fineweb.main, argv), CLI_ERRORS)
-    assert msg == f"input file a folder, not a file: {tmp_path}"
+def usage_error(main, user_errors, capsys):
+    """The line main() prints through run_main for a usage error (exit status 2)."""
+    with pytest.raises(SystemExit) as exit_:
+        run_main(main, user_errors)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("where", ["a folder, not a file", "not found"])
+def test_prepare_names_a_bad_input_file(tmp_path, capsys, where):
+    path = tmp_path if where.startswith("a folder") else tmp_path / "nothere.txt"
+    argv = ["--from-text", str(path), "--out-dir", str(tmp_path / "out"), "--no-progress"]
+    msg = usage_error(functools.partial(data.fineweb.main, argv), CLI_ERRORS, capsys)
+    assert msg == f"usage error: input file {where}: {path}"
 
 
 def test_ctrl_c_outside_a_training_loop_is_one_line_and_status_130(capsys, monkeypatch):
@@ -180,3 +191,84 @@ def test_prepare_command_line_error_is_one_line(tmp_path):
     assert res.stderr.strip().splitlines() == [
         f"data error: {path}: not UTF-8 text (invalid start byte 0x80); a binary file?"
     ]
+
+
+@pytest.mark.parametrize("command", ["fineweb", "tinystories"])
+@pytest.mark.parametrize("why", ["offline", "unreachable"])
+def test_prepare_from_the_hub_without_network_stops_at_once(tmp_path, monkeypatch, command, why):
+    """No network (or HF_HUB_OFFLINE): one line, exit 1, before `datasets`' retries and without
+    touching out_dir; the hub is never really asked here."""
+    import datasets
+    import huggingface_hub
+
+    import data.tinystories
+
+    def unreachable(self, repo, **kwargs):
+        raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", why == "offline")
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("load_dataset"))
+    main = {"fineweb": data.fineweb.main, "tinystories": data.tinystories.main}[command]
+    argv = ["--out-dir", str(tmp_path / "out"), "--no-progress"]
+    msg = one_line_error(functools.partial(main, argv), CLI_ERRORS)
+    repo = "HuggingFaceFW/fineweb" if command == "fineweb" else "roneneldan/TinyStories"
+    local = f"or prepare local text: python -m data.{command} --from-text FILES"
+    if why == "offline":
+        assert msg == (
+            f"network error: {repo} is streamed from the Hugging Face hub, but HF_HUB_OFFLINE is "
+            f"set: unset it, {local}"
+        )
+    else:
+        assert msg.startswith(f"network error: cannot reach {repo} on the Hugging Face hub (")
+        assert "OSError: [Errno -2] Name or service not known" in msg
+        assert msg.endswith(f"needs network (behind a proxy: HTTPS_PROXY=http://HOST:PORT; a "
+                            f"mirror: HF_ENDPOINT=URL), {local}")  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "config, command",
+    [
+        ("tinystories.py", "python -m data.tinystories"),
+        ("gpt2_124m_fineweb.py", "python -m data.fineweb"),
+        ("gpt2_1558m_fineweb_edu.py", "python -m data.fineweb --edu --version 100BT"),
+    ],
+)
+def test_a_recipe_before_its_data_names_the_prepare_command(tmp_path, monkeypatch, config, command):
+    monkeypatch.chdir(tmp_path)  # where the recipe's data/cache/NAME is the cache, still empty
+    monkeypatch.setattr("data.prepare.CACHE_DIR", tmp_path / "data" / "cache")
+    argv = [os.path.join(REPO, "configs", config), "--out_dir=out", "--device=cpu"]
+    msg = one_line_error(functools.partial(train.main, argv), train.USER_ERRORS)
+    assert msg.startswith("data error: dataset 'data/cache/")
+    assert msg.endswith(f"a folder of shards: not prepared yet? make them with {command}")
+
+
+def test_wandb_that_cannot_start_is_one_line_and_leaves_no_log(tiny_args, tmp_path, monkeypatch):
+    """--wandb=True without a login stops the run in one line (exit 1) before out_dir/log.jsonl
+    is made, as a nanoGPT user expects a run to stop rather than train unlogged."""
+    wandb = pytest.importorskip("wandb")
+
+    def no_login(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_login)
+    out = tmp_path / "out"
+    argv = tiny_args + [f"--out_dir={out}", "--max_steps=2", "--wandb=True"]
+    msg = one_line_error(functools.partial(train.main, argv), train.USER_ERRORS)
+    assert msg == (
+        "log error: wandb=True, but W&B did not start (No API key configured. Use `wandb login` to "
+        "log in.): run `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to log "
+        "locally, or drop --wandb"
+    )
+    assert not out.exists()
+
+
+def test_val_tokens_below_one_step_is_a_config_error(tiny_args, tmp_path, capsys):
+    argv = tiny_args + [f"--out_dir={tmp_path / 'out'}", "--val_tokens=100"]  # a step: 4 * 32
+    with pytest.raises(SystemExit) as exit_:
+        run_main(functools.partial(train.main, argv), train.USER_ERRORS)
+    assert exit_.value.code == 2 and capsys.readouterr().err == (
+        "config error: val_tokens=100 is less than one validation step of "
+        "batch_size*block_size*world_size = 4*32*1 = 128 tokens: pass --val_tokens=128 or more\n"
+    )

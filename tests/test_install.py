@@ -276,3 +276,14 @@ def test_cache_defaults_to_the_clones_data_cache():
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == os.path.join(REPO, "data", "cache")
+
+
+def test_pyproject_admits_only_the_tested_torch_versions():
+    """`pip install -e .[test]` must not resolve a torch that README calls untested."""
+    from packaging.requirements import Requirement
+
+    deps = [Requirement(d) for d in load_pyproject()["project"]["dependencies"]]
+    (torch_req,) = [r for r in deps if r.name == "torch"]
+    tested, untested = ("2.11.0", "2.13.0", "2.13.1"), ("2.10.0", "2.12.0", "2.14.1", "2.15.0")
+    assert all(torch_req.specifier.contains(v) for v in tested)
+    assert not any(torch_req.specifier.contains(v) for v in untested)

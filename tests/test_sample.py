@@ -89,6 +89,7 @@ def test_greedy_equals_model_generate_and_default_prompt_is_eot(capsys, ckpt_dir
         ["--ckpt", "x", "--top-p", "1.5"],
         ["--ckpt", "x", "--temperature", "-1"],
         ["--ckpt", "x", "--dtype", "int8"],
+        ["--ckpt", "x", "--device", "cpu", "--decode", "graph"],  # before any model loads
     ],
 )
 def test_bad_arguments_are_one_line_usage_errors(argv, capsys):
@@ -97,6 +98,25 @@ def test_bad_arguments_are_one_line_usage_errors(argv, capsys):
     assert e.value.code == 2  # a usage error (gpt2_fused/core/errors.py)
     err = capsys.readouterr().err
     assert err.startswith("usage error: ") and err.count("\n") == 1, err
+
+
+def test_says_what_it_loaded_and_a_prompt_past_the_vocabulary_is_a_usage_error(tmp_path, capsys):
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=100)
+    ckpt = {"model": GPT(cfg).state_dict(), "model_config": asdict(cfg), "step": 3}
+    torch.save(ckpt, tmp_path / "ckpt_0000003.pt")
+    argv = ["--ckpt", str(tmp_path), "--device", "cpu", "--max-new-tokens", "2"]
+    sample.main([*argv, "--prompt", "!"])  # token id 0
+    assert capsys.readouterr().err.startswith(f"loaded {tmp_path / 'ckpt_0000003.pt'} (step 3)\n")
+    for prompt, what in (([], "<|endoftext|> (the default prompt) 50256"), (["--prompt", "Hi"],
+                         "the prompt's token id 17250")):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            run_main(lambda p=prompt: sample.main([*argv, *p]), model_io.USER_ERRORS)
+        err = capsys.readouterr().err.splitlines()[-1]
+        assert e.value.code == 2 and err == (
+            f"usage error: {what} is past the model's vocab_size=100: give a --prompt whose "
+            "GPT-2 token ids are all below 100"
+        )
 
 
 def test_a_prompt_file_that_is_not_text_is_named_before_any_model_loads(tmp_path, capsys):

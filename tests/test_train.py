@@ -179,8 +179,18 @@ def test_a_cpu_step_is_printed_when_it_ends_not_after_the_next(tmp_path):
         assert log.push(st) is False
         assert lines[-1 - step].startswith(f"step {step:6d}/9 | loss {loss:.6f} | lr 1.00e-03")
     assert lines[2].startswith("start-up: ")  # after step first + 1's line, as on CUDA
+    assert lines[2].endswith(" s from launch to the end of step 1")  # eager: nothing compiled
     assert float(lines[1].split(" | ")[4].removesuffix(" ms")) >= 10  # end to end, not 0
     assert log.flush() is False and len(lines) == 3  # nothing held back
+    for step, mode, what in (
+        (2, "default", ""),
+        (3, "reduce-overhead", " and CUDA-graph recording"),
+    ):
+        log.compiled, log.warm_step = mode, step
+        st = StepStats(torch.device("cpu"), step, 1e-3)
+        st.finish(torch.tensor([3.0, 0.0, 1.5]))
+        log.push(st)
+        assert lines[-1].endswith(f"end of step {step} (compiling{what} included)")
 
 
 def test_ctrl_c_saves_and_exits_zero_then_resumes(tiny_args, tmp_path):

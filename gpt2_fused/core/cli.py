@@ -39,6 +39,17 @@ def unknown_flag(flag, known, error=UsageError):
     return error(f"{flag}: unknown flag{hint} (--help lists them)")
 
 
+def positive_int(text):
+    """argparse's type for a count that must be >= 1: a bad one is a usage error naming it."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
 def _is_number(text):
     try:
         float(text)
@@ -71,13 +82,27 @@ def config_argv(argv, names, switches, error=UsageError):
     return out
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help with the description as written and each option's default after its help."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        shown = default is None or default is False or default is argparse.SUPPRESS
+        if not shown and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse speaking the shared language: either spelling of a flag, a negative number after
-    its flag, no abbreviations, and a usage error raised as UsageError (one line and exit 2
-    through run_main) instead of the usage block. Subcommands' parsers are of this class too."""
+    its flag, no abbreviations, a usage error raised as UsageError (one line and exit 2 through
+    run_main) instead of the usage block, and defaults in --help. Subcommands' parsers are of
+    this class too."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message):

@@ -85,7 +85,11 @@ class TrainConfig:
     device: str = setting("auto", '"auto", "cpu", "cuda", "cuda:N"')
     dtype: str = setting("auto", '"auto" (bf16 on CUDA, fp32 on CPU), "bfloat16", "float32"')
     compile: bool | None = setting(None, "torch.compile the model (None: on for CUDA)")
-    compile_mode: str = setting("auto", 'torch.compile mode: "auto", "default", ...')
+    # "auto" is replaced by its pick at start-up (compile_guard.pick_mode): the printed config
+    # and the checkpoint's show the mode that ran
+    compile_mode: str = setting(
+        "auto", 'torch.compile mode: "auto" (printed as its pick), "default", ...'
+    )
     # 1 saves what the partitioner chooses; below 1 the backward recomputes cheap pointwise
     # activations instead of keeping them, trading a little time for memory
     activation_memory_budget: float = setting(1.0, "torch.compile activation memory budget")
@@ -235,20 +239,22 @@ def flat(cfg):
     return values
 
 
-def help_text(doc):
-    """`doc` (the script's docstring) and one line per setting: --name=default  meaning."""
-    default_model = small_model()
+def help_text(doc, argv=()):
+    """`doc` (the script's docstring) and one line per setting: --name=value  meaning, the value
+    that of the config file and flags in `argv` (the defaults without any)."""
+    cfg = load_config(argv)
     rows = []
     for f in dataclasses.fields(TrainConfig):
         if f.name != PRESET_NAME:
-            rows.append((f"--{f.name}={f.default!r}", f.metadata["doc"]))
+            rows.append((f"--{f.name}={getattr(cfg, f.name)!r}", f.metadata["doc"]))
             continue
         rows.append((f"--{f.name}=NAME", 'a GPT-2 preset ("gpt2"/"124M" ... "gpt2-xl"), or:'))
         for g in dataclasses.fields(GPTConfig):
-            rows.append((f"  --{g.name}={getattr(default_model, g.name)!r}", g.metadata["doc"]))
+            rows.append((f"  --{g.name}={getattr(cfg.model, g.name)!r}", g.metadata["doc"]))
     width = max(len(flag) for flag, _ in rows)
     lines = "\n".join(f"  {flag:<{width}}  {meaning}" for flag, meaning in rows)
-    return f"{doc}\nSettings (--name=default  meaning):\n{lines}"
+    values = f"value with {' '.join(argv)}" if argv else "default"
+    return f"{doc}\nSettings (--name={values}  meaning):\n{lines}"
 
 
 def _check_type(key, value, typ):

@@ -27,16 +27,17 @@ def checkpoint_settings(saved):
     return defaults | PREDATED | {k: v for k, v in saved.items() if k not in IMPL_KEYS}
 
 
-def from_checkpoint(path, map_location="cpu", warn=None):
+def from_checkpoint(path, map_location="cpu", warn=None, say=None):
     """Load (model, ckpt) from a checkpoint file, or from the newest ckpt_*.pt of a directory
     that loads: as --resume does, a newer one that does not is skipped with a line through `warn`
     (default: stderr) naming it; unlike --resume, nothing is renamed, as reading a run's
-    directory should not change it. A missing path is a FileNotFoundError naming it."""
+    directory should not change it. A missing path is a FileNotFoundError naming it. say: called
+    with "loaded FILE (step N)" once one has loaded."""
     path = Path(path)
     if not path.is_dir():
         if not path.exists():
             raise FileNotFoundError(f"checkpoint {path} does not exist")
-        return _from_file(path, map_location)
+        return _loaded(path, _from_file(path, map_location), say)
     ckpts = list_checkpoints(path)
     if not ckpts:
         raise FileNotFoundError(f"no ckpt_*.pt checkpoint in directory {path}")
@@ -49,10 +50,16 @@ def from_checkpoint(path, map_location="cpu", warn=None):
             continue
         for e in failed:
             (warn or _stderr)(f"warning: {e}; skipped it and loaded {newest}")
-        return loaded
+        return _loaded(newest, loaded, say)
     if len(failed) == 1:
         raise failed[0]
     raise CheckpointError(f"no checkpoint in {path} loads: " + "; ".join(map(str, failed)))
+
+
+def _loaded(path, loaded, say):
+    if say is not None:
+        say(f"loaded {path} (step {loaded[1].get('step')})")
+    return loaded
 
 
 def _stderr(line):
@@ -267,13 +274,16 @@ def _write_safetensors(path, tensors):
 USER_ERRORS = {CheckpointError: "checkpoint error", OSError: "error", ValueError: "error"}
 
 
-def load_model(ckpt=None, hf_dir=None, device="cpu", dtype=torch.float32):
-    """Our checkpoint (file or out_dir) or an HF GPT-2 directory -> eval-mode GPT on device."""
+def load_model(ckpt=None, hf_dir=None, device="cpu", dtype=torch.float32, say=None):
+    """Our checkpoint (file or out_dir) or an HF GPT-2 directory -> eval-mode GPT on device.
+    say: called with a line naming what was loaded (the checkpoint file and its step)."""
     if (ckpt is None) == (hf_dir is None):
         raise ValueError("give exactly one of ckpt or hf_dir")
     if ckpt is not None:
-        model, _ = from_checkpoint(ckpt, map_location="cpu")
+        model, _ = from_checkpoint(ckpt, map_location="cpu", say=say)
     else:
         model = from_hf(hf_dir)
+        if say is not None:
+            say(f"loaded {hf_dir} (HF GPT-2 weights)")
     # Whole-model cast, not autocast: decoding is latency-bound and the cast weights halve traffic.
     return model.to(device=device, dtype=dtype).eval()

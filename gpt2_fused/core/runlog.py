@@ -10,6 +10,7 @@ import time
 import torch
 
 from gpt2_fused.core.checkpoint import newest_note
+from gpt2_fused.core.compile_guard import uses_cuda_graphs
 from gpt2_fused.core.config import flat
 from gpt2_fused.core.jsonl import read_jsonl
 
@@ -69,8 +70,11 @@ class StepLog:
     return whether any rank asked to stop. A non-finite loss or norm stops the run. On a CPU,
     where a step has finished when push() gets it, push() reads it at once."""
 
-    def __init__(self, run_log, print0, cfg, *, world_size, tokens, flops, peak, launched, first):
+    def __init__(
+        self, run_log, print0, cfg, *, world_size, tokens, flops, peak, launched, first, compiled=""
+    ):
         self.run_log, self.print0 = run_log, print0
+        self.compiled = compiled  # torch.compile's mode, or "" (False) when not compiled
         # perf_counter() at launch, and the first step: the second one's record says how long
         # start-up took (compiling, autotuning, the first evaluation, recording CUDA graphs)
         self.launched, self.warm_step = launched, first + 1
@@ -116,9 +120,12 @@ class StepLog:
         self.print0(format_step(rec, self.max_steps))
         if st.step == self.warm_step:
             rec["startup_s"] = time.perf_counter() - self.launched
+            what = ""  # an eager run's start-up is set-up and the first evaluation
+            if self.compiled:
+                graphs = uses_cuda_graphs(self.compiled)
+                what = f" (compiling{' and CUDA-graph recording' if graphs else ''} included)"
             self.print0(
-                f"start-up: {rec['startup_s']:.1f} s from launch to the end of step {st.step} "
-                "(compiling and CUDA-graph recording included)"
+                f"start-up: {rec['startup_s']:.1f} s from launch to the end of step {st.step}{what}"
             )
         self.run_log.write(rec)
         return stop > 0
@@ -152,19 +159,13 @@ class RunLog:
         self.failed = False  # a write failed (disk full): reported once, the file is dropped
 
     def open(self, cfg, start_step, config_error):
+        if cfg.wandb:  # first: a W&B that cannot start leaves no log.jsonl behind
+            self.wandb_run = _start_wandb(cfg, config_error)
         os.makedirs(cfg.out_dir, exist_ok=True)
         path = os.path.join(cfg.out_dir, "log.jsonl")
         trim_log(path, start_step)
         self.out_dir = cfg.out_dir
         self.file = open(path, "a")  # closed by close()
-        if cfg.wandb:
-            try:
-                import wandb
-            except ImportError as e:
-                raise config_error("wandb=True needs wandb: pip install wandb") from e
-            name = cfg.wandb_run_name or None
-            settings = flat(cfg)
-            self.wandb_run = wandb.init(project=cfg.wandb_project, name=name, config=settings)
 
     def write(self, rec):
         if self.file is not None:
@@ -189,6 +190,26 @@ class RunLog:
                     raise
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def _start_wandb(cfg, config_error):
+    """wandb.init for the run; no wandb package is config_error's (exit 2), a W&B that refuses to
+    start (no login, most often) a LogError (exit 1) saying what to do, as nanoGPT users expect
+    a run to stop rather than train hours unlogged."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise config_error("wandb=True needs wandb: pip install wandb") from e
+    try:
+        return wandb.init(
+            project=cfg.wandb_project, name=cfg.wandb_run_name or None, config=flat(cfg)
+        )
+    except wandb.errors.Error as e:
+        reason = " ".join(str(e).split())
+        raise LogError(
+            f"wandb=True, but W&B did not start ({reason}): run `wandb login` (or set "
+            "WANDB_API_KEY), or set WANDB_MODE=offline to log locally, or drop --wandb"
+        ) from None
 
 
 def device_name(device):
