@@ -1,7 +1,7 @@
 """Data pipeline throughput: prepare (tokenisation) and loader, in tokens per second.
 
     python -m bench.bench_data                      # embedded Wikipedia text
-    python -m bench.bench_data --input /work/shared/data/wikipedia_en/train_00.txt.xz --workers 1 2
+    python -m bench.bench_data --input TEXT.txt.xz --workers 1 2  # a local text file
 
 prepare: `python -m data.fineweb --from-text INPUT` end to end (interpreter start, read +
 decompress, [EOT] + encode_ordinary in a process pool, pack into shards, write), per worker count;
