@@ -148,8 +148,8 @@ def try_rung(step, B):
         ok = True
     except torch.OutOfMemoryError:
         ok = False
-    gc.collect()
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # (the tensors went with the frames, by reference counts)
+        gc.collect()
         torch.cuda.empty_cache()
     return ok
 
