@@ -4,6 +4,7 @@ probe leaving the run as it was, and an out-of-memory error later in the run; on
 run and an auto run against the explicit one."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -337,4 +338,22 @@ def test_gpu_cap_picks_a_smaller_micro_batch_and_auto_equals_explicit(
     _, explicit = cuda_run(tmp_path, "explicit", monkeypatch, cap=8,
                            extra=[f"--batch_size={picked}"])  # fmt: skip
     assert all(x == x for x in auto) and len(auto) == 3
-    torch.testing.assert_close(auto, explicit, rtol=0, atol=1e-5)  # 1e-5: the GPU's replays
+    torch.testing.assert_close(auto, explicit, rtol=0, atol=1e-5)  # GPU runs match to ~1e-5
+
+
+def test_memory_fit_rehearsal_prints_a_row_per_card(tmp_path):
+    """bench/memory_fit.py's --cpu rehearsal: each card's auto run (8 on a CPU) and one
+    uncapped run of that micro-batch, shared by both cards; the table's rows, and a refusal's."""
+    from bench import memory_fit
+
+    rows = memory_fit.recipe_cells("tinystories", [12, 80], 2, 1, str(tmp_path), cpu=True)
+    assert [(r["card_gb"], r["batch"]) for r in rows] == [(12, 8), (80, 8)]
+    assert len(list(tmp_path.glob("*_uncapped"))) == 1
+    for r in rows:
+        assert r["tok_per_s"] > 0 and r["ratio"] == r["tok_per_s"] / r["uncapped_tok_per_s"]
+    refusal = dict(recipe="1558m", card_gb=12, error="config error: micro-batch 1 does not fit")
+    text = memory_fit.table([*rows, refusal], "caption").splitlines()
+    assert text[0] == "caption" and len(text) == 7
+    assert re.fullmatch(r"\| tinystories \| 12 \| 8 \| [\d,]+ \| 0\.0 \| [\d,]+ \| [\d.]+x \|",
+                        text[4])  # fmt: skip
+    assert text[6] == "| 1558m | 12 | stops: config error: micro-batch 1 does not fit | | | | |"
