@@ -5,7 +5,7 @@ trains a few steps; the same micro-batch then trains uncapped in the same proces
 gives both tok/s and their ratio.
 
     python -m bench.memory_fit [--recipes 124m,350m,774m,1558m,tinystories]
-        [--cards 12,16,24,40,80] [--steps 8] [--warmup 3] [--out DIR] [--cpu]
+        [--cards 12,16,24,40,80] [--steps 8] [--warmup 3] [--out DIR] [--compile] [--cpu]
 
 Every cell is eager (--compile=False): compiling each of the ~40 runs would take about a minute
 apiece, past the ~8 minutes this table may take on one H100, and the probe that picks the
@@ -19,6 +19,8 @@ recipe runs its cells (each train.main applies its cap anew): imports and CUDA s
 tok/s is the median over the steps after --warmup; peak GiB is torch.cuda.max_memory_allocated
 over the run (probe included).
 
+--compile compiles every cell instead (a minute or more each): to check the picks against
+compiled steps and CUDA graphs on a few cells (--recipes 124m --cards 12,24).
 --cpu rehearses the table's code on a CPU with a 2-layer model in each recipe's place (no cap
 applies there: auto is 8); tests/test_bench.py runs it.
 """
@@ -94,10 +96,10 @@ def train_once(args, cap, steps, warmup, out_dir):
     }
 
 
-def recipe_cells(recipe, cards, steps, warmup, work, cpu=False, data=None):
+def recipe_cells(recipe, cards, steps, warmup, work, cpu=False, data=None, compile_=False):
     """The rows of one recipe: per card, the capped auto run and the uncapped run of its pick
     (one per micro-batch, shared by the cards that pick it). data: a dataset folder (None:
-    bench.throughput's random tokens)."""
+    bench.throughput's random tokens); compile_: train.py's --compile."""
     from bench.throughput import random_dataset
     from data.prepare import CACHE_DIR
 
@@ -106,7 +108,7 @@ def recipe_cells(recipe, cards, steps, warmup, work, cpu=False, data=None):
     data = data or random_dataset(str(CACHE_DIR / "random"), 1 << 24)
     args = [os.path.join(ROOT, RECIPES[recipe]), f"--dataset='{data}'", "--total_batch_size=0",
             "--eval_interval=0", "--sample_interval=0", "--ckpt_interval=0", "--keep_last=1",
-            "--warmup_steps=2", "--compile=False"]  # fmt: skip
+            "--warmup_steps=2", f"--compile={compile_}"]  # fmt: skip
     args += [*TINY, "--val_tokens=512"] if cpu else ["--val_tokens=65536"]
     rows, uncapped = [], {}
     for gb in cards:
@@ -168,13 +170,16 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the tok/s median")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/memory_fit"))
     ap.add_argument("--cpu", action="store_true", help="a tiny model on the CPU: a rehearsal")
+    ap.add_argument(
+        "--compile", action="store_true", help="compiled cells (minutes each): check a few"
+    )
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)  # one recipe, in a process
     args = ap.parse_args(argv)
     cards = [int(c) if float(c).is_integer() else float(c) for c in args.cards.split(",")]
-    work = os.path.join(ROOT, "out", "memory_fit")
+    work = os.path.join(os.path.abspath(args.out), "runs")  # each cell's out_dir
     os.makedirs(args.out, exist_ok=True)
     if args.child:
-        recipe_cells(args.child, cards, args.steps, args.warmup, work, args.cpu)
+        recipe_cells(args.child, cards, args.steps, args.warmup, work, compile_=args.compile)
         return
     rows, t0 = [], time.time()
     for recipe in args.recipes.split(","):
@@ -206,11 +211,12 @@ def caption_line(args, seconds):
     import torch
 
     where = "cpu" if args.cpu else torch.cuda.get_device_name()
+    how = "compiled" if args.compile else "eager (--compile=False)"
     return (
-        f"{where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: eager "
-        f"(--compile=False), random tokens, one micro-batch a step, {args.steps} steps "
-        f"(tok/s: median after {args.warmup}); capped and uncapped in the same process per "
-        f"recipe; {seconds / 60:.1f} min"
+        f"{where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: {how}, random "
+        f"tokens, one micro-batch a step, {args.steps} steps (tok/s: median after "
+        f"{args.warmup}); capped and uncapped in the same process per recipe; "
+        f"{seconds / 60:.1f} min"
     )
 
 

@@ -3,6 +3,7 @@ allocator, what total_batch_size allows, GPT2_FUSED_GPU_GB's parsing, the start-
 probe leaving the run as it was, and an out-of-memory error later in the run; on a GPU, a capped
 run and an auto run against the explicit one."""
 
+import json
 import os
 import re
 
@@ -341,14 +342,21 @@ def test_gpu_cap_picks_a_smaller_micro_batch_and_auto_equals_explicit(
     torch.testing.assert_close(auto, explicit, rtol=0, atol=1e-5)  # GPU runs match to ~1e-5
 
 
-def test_memory_fit_rehearsal_prints_a_row_per_card(tmp_path):
+def test_memory_fit_rehearsal_prints_a_row_per_card(tmp_path, capsys):
     """bench/memory_fit.py's --cpu rehearsal: each card's auto run (8 on a CPU) and one
     uncapped run of that micro-batch, shared by both cards; the table's rows, and a refusal's."""
     from bench import memory_fit
 
-    rows = memory_fit.recipe_cells("tinystories", [12, 80], 2, 1, str(tmp_path), cpu=True)
+    argv = ["--cpu", "--recipes=tinystories", "--cards=12,80", "--steps=2", "--warmup=1"]
+    memory_fit.main([*argv, f"--out={tmp_path}"])
+    saved = json.loads((tmp_path / "memory_fit.json").read_text())
+    rows = saved["rows"]
+    assert (
+        saved["caption"].startswith("cpu, torch ") and "eager (--compile=False)" in saved["caption"]
+    )
+    assert capsys.readouterr().out.endswith(memory_fit.table(rows, saved["caption"]) + "\n")
     assert [(r["card_gb"], r["batch"]) for r in rows] == [(12, 8), (80, 8)]
-    assert len(list(tmp_path.glob("*_uncapped"))) == 1
+    assert len(list((tmp_path / "runs").glob("*_uncapped"))) == 1
     for r in rows:
         assert r["tok_per_s"] > 0 and r["ratio"] == r["tok_per_s"] / r["uncapped_tok_per_s"]
     refusal = dict(recipe="1558m", card_gb=12, error="config error: micro-batch 1 does not fit")

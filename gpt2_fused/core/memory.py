@@ -55,7 +55,8 @@ from gpt2_fused.core.sharding import graphs_fit, sums_at_step
 CAP_ENV = "GPT2_FUSED_GPU_GB"
 LADDER = (64, 32, 16, 8, 4, 2, 1)
 CPU_BATCH = 8  # auto on a CPU: the default before "auto", so a CPU run is unchanged
-# of the usable memory, kept free of the probe's step for what the probe does not run
+# of the usable memory: what the probed step may not take, left for what the probe does not
+# run (CUDA graphs' pool, evaluation, sampling); bench/memory_fit.py checks it
 HEADROOM = 0.10
 GiB = 2**30
 
@@ -308,6 +309,8 @@ def stop_line(e, cfg, what, saved=None):
             f"pass --batch_size={B // 2} --total_batch_size={total} (the step keeps its "
             "tokens through more gradient accumulation)"
         )
+    elif B == "auto":  # before the probe: building the model itself ran out
+        fix = "split the model over more GPUs: torchrun ... --shard=full --adamw_impl=torch"
     else:
         fix = "pass --activation_memory_budget=0.5, or --fp8=fused, or --shard over more GPUs"
     return f"error: out of memory in {what} ({cause}); {kept}; to go on, {fix} with --resume"
