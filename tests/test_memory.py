@@ -326,8 +326,13 @@ def test_gpu_cap_picks_a_smaller_micro_batch_and_auto_equals_explicit(
 ):
     """124M, eager, dropout on: the whole card picks more than an 8 GiB cap does; the capped
     run trains within its cap, and equals (same losses) the run given its pick explicitly."""
-    import re
+    try:
+        capped_and_explicit(tmp_path, monkeypatch, capsys)
+    finally:  # the cap outlives train.main in this process: the next GPU tests get the card
+        torch.cuda.set_per_process_memory_fraction(1.0)
 
+
+def capped_and_explicit(tmp_path, monkeypatch, capsys):
     peak, _ = cuda_run(tmp_path, "whole", monkeypatch)
     whole = int(re.search(r"micro-batch (\d+) \(auto", capsys.readouterr().out).group(1))
     peak, auto = cuda_run(tmp_path, "capped", monkeypatch, cap=8)
