@@ -25,7 +25,7 @@ from data import hellaswag
 from data.loader import DataLoader, iter_val_batches, open_data
 from data.shards import DataError
 from data.tokenizer import EOT, get_tokenizer
-from gpt2_fused.core import compile_cache, distributed, fp8, plot, sharding, weight_casts
+from gpt2_fused.core import compile_cache, distributed, fp8, memory, plot, sharding, weight_casts
 from gpt2_fused.core.checkpoint import (
     CheckpointError,
     list_checkpoints,
@@ -320,14 +320,13 @@ def main(argv=None, train_loader=DataLoader):
             fp8.check(cfg.fp8, device)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        # --- set-up: data, model, optimizer, the newest checkpoint when resuming
-        grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
+        # --- set-up: model, optimizer, micro-batch, data, the newest checkpoint when resuming
+        card = memory.apply_cap(device)  # GPT2_FUSED_GPU_GB: a smaller card, simulated
         dtype = resolve_dtype(cfg.dtype, device)
         use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
         torch.manual_seed(cfg.seed + rank)  # per rank, so dropout masks differ across ranks
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-        loader, train_glob, val_glob = open_data(cfg, train_loader, procs)
         hs_path = cfg.hellaswag_path or str(hellaswag.DEFAULT_PATH)
         if cfg.hellaswag and not os.path.isfile(hs_path):
             raise ConfigError(
@@ -336,14 +335,17 @@ def main(argv=None, train_loader=DataLoader):
         with torch.device(device):  # initialised where it runs: 1558M on a CPU takes seconds
             raw_model = GPT(cfg.model)
         raw_model.z_loss = cfg.z_loss  # in training-mode losses only: val stays plain CE
-        per_layer = raw_model.flops_per_token() * cfg.batch_size * T / cfg.model.n_layer
-        bucketed = procs.ddp and not sharding.graphs_fit(cfg)  # DDP's or FSDP2's all-reduces
-        cfg.compile_mode = pick_mode(cfg.compile_mode, device, bucketed, per_layer)  # "auto"
         if cfg.fp8 != "off":  # before sharding, compile and DDP wrap the Linears
             n = len(fp8.convert(raw_model, cfg.fp8, shard.fully_sharded))
             notes += fp8.notes(cfg.fp8, n, device)
         shard.shard_model(raw_model)  # FSDP2 under shard="full", in place
         optimizer = shard.make_optimizer(raw_model, cfg, device)
+        notes += memory.pick_batch(cfg, procs, raw_model, optimizer, dtype, card)
+        grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
+        per_layer = raw_model.flops_per_token() * cfg.batch_size * T / cfg.model.n_layer
+        bucketed = procs.ddp and not sharding.graphs_fit(cfg)  # DDP's or FSDP2's all-reduces
+        cfg.compile_mode = pick_mode(cfg.compile_mode, device, bucketed, per_layer)  # "auto"
+        loader, train_glob, val_glob = open_data(cfg, train_loader, procs)
         run = Run(cfg, procs, raw_model, optimizer, loader, val_glob, dtype, print0, shard)
         start_step, ckpts = 0, list_checkpoints(cfg.out_dir)
         if train_loader is not DataLoader:
@@ -401,12 +403,8 @@ def main(argv=None, train_loader=DataLoader):
         if procs.master:  # out_dir/loss.png when matplotlib is installed, else how to draw it
             print0(plot.loss_curve(cfg.out_dir))
         finished = True
-    except torch.OutOfMemoryError as e:
-        raise torch.OutOfMemoryError(
-            f"{e}\nHint: lower the micro-batch, e.g. --batch_size={max(1, cfg.batch_size // 2)} "
-            f"--total_batch_size={tokens_per_step}: the step keeps its tokens through more "
-            "gradient accumulation."
-        ) from e
+    except torch.OutOfMemoryError as e:  # mid-step: no checkpoint is safe to write
+        raise SystemExit(memory.stop_line(e, cfg, "training")) from None
     finally:
         compile_settings.close()
         stop.restore()
@@ -430,12 +428,15 @@ def loop(run, start_step, grad_accum, stop, steps, run_log, check_training):
         # the same on every rank: all of them read the same steps at the same points
         if last_step or stop_all or any(every(step, k) for k in intervals):
             stop_all = steps.flush() or stop_all  # before any eval or checkpoint
+        keep = None if procs.ddp or step == 0 else functools.partial(save, run, step, None)
         if fresh and (last_step or every(step, cfg.eval_interval)):
-            val_loss = evaluate_and_log(run, step, run_log)
+            with memory.stop_on_oom(cfg, "evaluation", keep):
+                val_loss = evaluate_and_log(run, step, run_log)
             check_now = check_training
         sample = every(step, cfg.sample_interval) and run.shard.samples
         if procs.master and fresh and step > 0 and sample:
-            run.print0(f"sample at step {step}: {sample_text(run, step)!r}")
+            with memory.stop_on_oom(cfg, "sampling", keep):
+                run.print0(f"sample at step {step}: {sample_text(run, step)!r}")
         if fresh and step > 0 and (last_step or stop_all or every(step, cfg.ckpt_interval)):
             save(run, step, val_loss)
         if last_step or stop_all:

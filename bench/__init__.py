@@ -23,6 +23,7 @@ several share from bench.common, never from one another. Their results go to ben
     bench_sample        generation speed of the decode modes
     bench_data          data preparation and loader throughput
     shard_memory        per-rank memory of --shard's modes at W ranks
+    memory_fit          each recipe's auto micro-batch and tok/s under 12-80 GB caps
     ddp_compare         compares the logs of bench/ddp_scaling.sh
     plot_loss           train and val loss of train.py's log(s) as a PNG
     common              (no command) shapes, inputs, loss methods and timers the others share

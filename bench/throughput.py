@@ -144,7 +144,8 @@ def run_child(args, profile=False, timeout=900, torchrun=False):
             res["state_bytes"] = [int(n.replace(",", "")) for n in line.split(":")[1].split("|")]
     if p.returncode != 0:
         res["error"] = "\n".join(out.strip().splitlines()[-4:])[-600:]
-        res["oom"] = "OutOfMemoryError" in out  # or something else that must be looked at
+        # torch.OutOfMemoryError, or train.py's one line about it; else something to look at
+        res["oom"] = "OutOfMemoryError" in out or "error: out of memory" in out
         if res["oom"]:
             res["oom_detail"] = oom_detail(out)
     return res

@@ -4,7 +4,7 @@
 # llm.c reaches a FineWeb val loss of about 3.28 and HellaSwag ~29.9 with this recipe.
 dataset = "data/cache/fineweb10B"
 model = "gpt2"  # 12 layers, 12 heads, 768 wide, block 1024
-batch_size = 64  # micro-batch per GPU; halve it on a smaller GPU, grad accumulation makes up
+batch_size = "auto"  # micro-batch per GPU: the largest that fits; grad accumulation makes up
 total_batch_size = 524288  # 2**19 tokens per optimizer step
 max_steps = 18865  # x 524,288 = 9.9B tokens, one pass over sample-10BT
 learning_rate = 6e-4

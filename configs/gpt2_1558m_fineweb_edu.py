@@ -4,7 +4,7 @@
 # llm.c's run matched OpenAI GPT-2 1.5B HellaSwag (48.9) at about 25k of these 32k steps.
 dataset = "data/cache/edufineweb100B"
 model = "gpt2-xl"  # 48 layers, 25 heads, 1600 wide
-batch_size = 8  # per GPU; an estimate for 80 GB without activation checkpointing, not measured
+batch_size = "auto"  # micro-batch per GPU: the largest that fits; grad accumulation makes up
 # torch.compile recomputes cheap activations in the backward: less memory for a little time
 # (bench/RESULTS.md#compile)
 activation_memory_budget = 0.95

@@ -4,7 +4,7 @@
 # llm.c reports a FineWeb val loss of about 2.93.
 dataset = "data/cache/fineweb100B"
 model = "gpt2-medium"  # 24 layers, 16 heads, 1024 wide
-batch_size = 32  # per GPU; an estimate for 80 GB, not measured here
+batch_size = "auto"  # micro-batch per GPU: the largest that fits; grad accumulation makes up
 total_batch_size = 524288
 max_steps = 60000  # x 524,288 = 31.5B tokens
 learning_rate = 3e-4

@@ -3,7 +3,7 @@
 # Run:  torchrun --nnodes=... --nproc_per_node=8 train.py configs/gpt2_774m_fineweb.py (README)
 dataset = "data/cache/fineweb100B"
 model = "gpt2-large"  # 36 layers, 20 heads, 1280 wide
-batch_size = 16  # per GPU; an estimate for 80 GB, not measured here
+batch_size = "auto"  # micro-batch per GPU: the largest that fits; grad accumulation makes up
 total_batch_size = 524288
 max_steps = 286102  # x 524,288 = 150B tokens
 learning_rate = 2.5e-4

@@ -6,7 +6,7 @@ n_layer = 8
 n_head = 8
 n_embd = 512
 block_size = 512
-batch_size = 32  # x 512 x 8 GPUs = one step; a single GPU accumulates 8 micro-steps
+batch_size = "auto"  # micro-batch per GPU: the largest that fits; grad accumulation makes up
 total_batch_size = 131072  # 2**17 tokens per step
 max_steps = 5000  # x 131,072 = 655M tokens, about 1.4 passes
 learning_rate = 1e-3

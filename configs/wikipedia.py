@@ -6,7 +6,7 @@
 # 87M tokens is small for 124M parameters: 1000 steps x 262,144 tokens is 3 passes over it.
 dataset = "data/cache/wiki"
 model = "gpt2"
-batch_size = 32
+batch_size = "auto"  # micro-batch per GPU: the largest that fits; grad accumulation makes up
 total_batch_size = 262144  # 2**18 tokens per step
 max_steps = 1000  # x 262,144 = 262M tokens
 learning_rate = 6e-4

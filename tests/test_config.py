@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train
-from gpt2_fused.core import checkpoint, compile_guard, optim
+from gpt2_fused.core import checkpoint, compile_guard, memory, optim
 from gpt2_fused.core.config import ConfigError, TrainConfig, flat, grad_accum_steps, load_config
 from gpt2_fused.core.device import peak_flops
 from gpt2_fused.core.errors import run_main
@@ -218,8 +218,13 @@ def test_peak_flops_unknown_gpu_gives_no_mfu(name):
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*.py"))))
 def test_shipped_configs_load_and_divide(path):
     cfg = load_config([path])
-    for world_size in (1, 8):
-        grad_accum_steps(cfg.total_batch_size, cfg.batch_size, cfg.model.block_size, world_size)
+    assert cfg.batch_size == "auto"  # picked to fit the GPU (gpt2_fused/core/memory.py)
+    for world_size in (1, 8):  # the ladder's top rung allowed, and each divides the step
+        T = cfg.model.block_size
+        rungs = memory.allowed_rungs(cfg.total_batch_size, T, world_size)
+        assert rungs[0] == min(64, cfg.total_batch_size // (T * world_size))
+        for b in rungs:
+            grad_accum_steps(cfg.total_batch_size, b, T, world_size)
     assert cfg.warmup_steps < cfg.max_steps
 
 

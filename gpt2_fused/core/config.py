@@ -51,7 +51,8 @@ class TrainConfig:
     # (gpt2_fused/core/fp8.py); lm_head stays bf16
     fp8: str = setting("off", '"off", "tensorwise", "rowwise" (torchao) or "fused": FP8 GEMMs')
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
-    batch_size: int = setting(8, "micro-batch size per process (sequences)")
+    # "auto": the largest of 64, 32, ..., 1 that fits the GPU (8 on a CPU; core/memory.py)
+    batch_size: int | str = setting("auto", 'micro-batch per process (sequences), or "auto"')
     total_batch_size: int = setting(0, "tokens a step over all processes (0: one micro-batch each)")
     max_steps: int = setting(300, "optimizer steps")
     # optimizer: AdamW; linear warmup, then cosine to learning_rate * final_lr_frac
@@ -129,7 +130,7 @@ class TrainConfig:
         """Every value in range, each error one line naming its key (ConfigError); the model's
         own fields are checked by GPTConfig.__post_init__."""
         cfg = self
-        positive = ("batch_size", "learning_rate", "val_tokens")
+        positive = ("learning_rate", "val_tokens")
         non_negative = (
             "total_batch_size",
             "max_steps",
@@ -148,6 +149,10 @@ class TrainConfig:
             if value < 0 or (value == 0 and key in positive):
                 need = "> 0" if key in positive else ">= 0"
                 raise ConfigError(f"config key {key!r} must be {need}, got {value!r}")
+        if cfg.batch_size != "auto" and not (type(cfg.batch_size) is int and cfg.batch_size > 0):
+            raise ConfigError(
+                f"config key 'batch_size' must be > 0 or 'auto', got {cfg.batch_size!r}"
+            )
         if not 0.0 <= cfg.final_lr_frac <= 1.0:
             raise ConfigError(
                 f"config key 'final_lr_frac' must be in [0, 1], got {cfg.final_lr_frac}"
@@ -165,7 +170,8 @@ class TrainConfig:
             )
         if cfg.fp8 not in FP8_RECIPES:
             raise ConfigError(f"config key 'fp8': one of {FP8_RECIPES}, not {cfg.fp8!r}")
-        rows = cfg.batch_size * cfg.model.block_size  # the tokens dW sums over in each FP8 GEMM
+        # the tokens dW sums over in each FP8 GEMM ("auto" picks only rungs where this holds)
+        rows = cfg.model.block_size * (16 if cfg.batch_size == "auto" else cfg.batch_size)
         if cfg.fp8 != "off" and rows % 16:
             raise ConfigError(
                 f"fp8={cfg.fp8!r}: batch_size * block_size = {rows} must be a multiple of 16 "
@@ -275,7 +281,7 @@ def _parse_arg(key, text, typ):
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        if typ is not str:
+        if str not in (typing.get_args(typ) or (typ,)):
             raise ConfigError(f"config key {key!r}: cannot parse {text!r} as a value") from None
         value = text  # a bare word for a str field: --device=cuda
     if typ is str and not isinstance(value, str):
