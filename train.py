@@ -25,16 +25,8 @@ from data import hellaswag
 from data.loader import DataLoader, iter_val_batches, open_data
 from data.shards import DataError
 from data.tokenizer import EOT, get_tokenizer
-from gpt2_fused.core import compile_cache, distributed, fp8, plot, sharding, weight_casts
-from gpt2_fused.core.checkpoint import (
-    CheckpointError,
-    list_checkpoints,
-    load_for_resume,
-    newest_note,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from gpt2_fused.core import compile_cache, distributed, fp8, plot, sharding, start, weight_casts
+from gpt2_fused.core.checkpoint import CheckpointError, newest_note, rng_state, save_checkpoint
 from gpt2_fused.core.compile_guard import (
     check_training_step,
     compiled_loss_mismatch,
@@ -52,14 +44,10 @@ from gpt2_fused.core.config import (
 from gpt2_fused.core.device import peak_flops, resolve_dtype
 from gpt2_fused.core.errors import run_main
 from gpt2_fused.core.generate import generate
-from gpt2_fused.core.model_io import checkpoint_settings
 from gpt2_fused.core.optim import get_lr
 from gpt2_fused.core.runlog import LogError, RunLog, StepLog, StepStats, device_name, print_start
 from gpt2_fused.core.signals import StopFlag
-from model import GPT, IMPL_KEYS
-
-# what --resume reads from a checkpoint (save() writes these and more)
-RESUME_KEYS = ("model", "model_config", "optimizer", "step", "loader", "rng")
+from model import GPT
 
 # errors the user can fix: one line (gpt2_fused/core/errors.py; GPT2_DEBUG=1: a traceback)
 USER_ERRORS = {
@@ -95,36 +83,6 @@ class Run:
 
 def every(step, interval):
     return interval > 0 and step % interval == 0
-
-
-def resume(run, path, ckpt, notes):
-    """Load a checkpoint's weights, optimizer, data position and RNG; returns its step. Every
-    model setting but the IMPL_KEYS (how a layer is computed) must match the checkpoint's."""
-    cfg, procs = run.cfg, run.procs
-    mine, saved = asdict(cfg.model), checkpoint_settings(ckpt["model_config"])
-    keys = sorted((set(mine) | set(saved)) - set(IMPL_KEYS))
-    differ = [k for k in keys if mine.get(k) != saved.get(k)]
-    if differ:
-        fix = " ".join(f"--{k}={saved[k]!r}" for k in differ if k in mine and k in saved)
-        raise ConfigError(
-            f"model config differs from {path}'s in {differ}"
-            + (f"; to resume it, pass {fix}" if fix else "")
-        )
-    run.shard.load_state(run.raw_model, run.optimizer, ckpt)  # each rank keeps its part
-    note = run.loader.load_state_dict(ckpt["loader"])  # one position for all ranks, any W
-    step = ckpt["step"]
-    notes.append(f"resumed from {path} at step {step}")
-    if note:  # the checkpoint's data order is not the one cfg asks for; it continues
-        notes.append(note)
-    if len(ckpt["rng"]["torch"]) == procs.world_size:
-        set_rng_state(ckpt["rng"], procs.rank, procs.device)
-    else:  # the data order still continues exactly; dropout masks cannot
-        torch.manual_seed(cfg.seed + procs.rank + procs.world_size * step)
-        notes.append(
-            f"it was written by {len(ckpt['rng']['torch'])} ranks, not "
-            f"{procs.world_size}: RNG re-seeded, the run is not bit-identical"
-        )
-    return step
 
 
 def evaluate(run, model):
@@ -312,9 +270,12 @@ def main(argv=None, train_loader=DataLoader):
     print0 = distributed.printer(procs)
     run_log, stop, finished = RunLog(), StopFlag(announce=procs.master), False
     compile_settings = contextlib.ExitStack()  # Inductor's global settings, for this run only
-    try:
+    try:  # the model's settings from the checkpoint resumed or the weights of init_from
+        begin = start.find(cfg, procs, print0)
+        cfg = begin.cfg
         shard = sharding.mode(cfg, procs)  # a combination that does not run stops here
         notes = shard.notes  # the start-up report's (shard.sync_at_step adds to it too)
+        notes += begin.notes
         T = cfg.model.block_size
         try:  # the GPU, torch and torchao can run FP8 GEMMs (nothing for fp8="off")
             fp8.check(cfg.fp8, device)
@@ -335,6 +296,7 @@ def main(argv=None, train_loader=DataLoader):
             )
         with torch.device(device):  # initialised where it runs: 1558M on a CPU takes seconds
             raw_model = GPT(cfg.model)
+        begin.load_weights(raw_model)  # init_from's, before FP8 and sharding wrap the Linears
         raw_model.z_loss = cfg.z_loss  # in training-mode losses only: val stays plain CE
         per_layer = raw_model.flops_per_token() * cfg.batch_size * T / cfg.model.n_layer
         bucketed = procs.ddp and not sharding.graphs_fit(cfg)  # DDP's or FSDP2's all-reduces
@@ -345,29 +307,19 @@ def main(argv=None, train_loader=DataLoader):
         shard.shard_model(raw_model)  # FSDP2 under shard="full", in place
         optimizer = shard.make_optimizer(raw_model, cfg, device)
         run = Run(cfg, procs, raw_model, optimizer, loader, val_glob, dtype, print0, shard)
-        start_step, ckpts = 0, list_checkpoints(cfg.out_dir)
+        start_step = 0
         if train_loader is not DataLoader:
             notes.append(f"train batches from {train_loader.__name__}, not data.loader.DataLoader")
-        if ckpts and not cfg.resume:
-            raise ConfigError(
-                f"out_dir {cfg.out_dir!r} already holds checkpoints ({ckpts[-1]}); "
-                "pass --resume to continue, or choose another out_dir"
-            )
-        if cfg.resume:  # the newest that loads; newer damaged ones are set aside with a warning
-            path, ckpt = load_for_resume(cfg.out_dir, RESUME_KEYS, print0, procs.ddp, rank)
-            if ckpt is None:
-                notes.append(f"--resume: no checkpoint in {cfg.out_dir!r}, starting at step 0")
-            else:
-                start_step = resume(run, path, ckpt, notes)
-                del ckpt
-                if start_step >= cfg.max_steps:
-                    print0(
-                        f"{path}: the run finished at step {start_step} (max_steps="
-                        f"{cfg.max_steps}), nothing to train; a larger --max_steps trains on "
-                        "(the learning-rate schedule then follows the new max_steps)"
-                    )
-                    finished = True
-                    return
+        if begin.ckpt is not None:
+            start_step = start.resume(run, begin, notes)
+            if start_step >= cfg.max_steps:
+                print0(
+                    f"{begin.path}: the run finished at step {start_step} (max_steps="
+                    f"{cfg.max_steps}), nothing to train; a larger --max_steps trains on "
+                    "(the learning-rate schedule then follows the new max_steps)"
+                )
+                finished = True
+                return
         if use_compile:  # compilation is lazy (first step, first eval): patched until the end
             compile_cache.use_keyed_cache()  # not another version's custom-op graphs
             compile_settings.enter_context(compiler_settings(cfg))
