@@ -7,8 +7,8 @@ init_from's weights give a new run (step 0, a fresh optimizer and data order) it
 
 The checkpoint or the weights give the model's settings. A model setting a config file or the
 command line gave (TrainConfig.given) must agree with them, but for:
-- the fast-path switches (IMPL_KEYS): how a layer is computed, not what; always the run's own;
-- dropout: a new run's own; a resumed run keeps the checkpoint's unless one is given;
+- the fast-path switches (IMPL_KEYS) say how a layer is computed, not what, and dropout is
+  regularisation: a new run's own; a resumed run keeps the checkpoint's unless one is given;
 - low_precision_residual: a new run's own (rounding, not weights); a resumed run keeps it;
 - block_size under init_from: a smaller one keeps the first rows of the position embeddings
   (nanoGPT's crop_block_size).
@@ -34,7 +34,7 @@ from gpt2_fused.core.model_io import (
     from_checkpoint,
     from_hf,
 )
-from model import IMPL_KEYS, GPTConfig
+from model import IMPL_KEYS, IMPLS, GPTConfig
 
 # what --resume reads from a checkpoint (train.save writes these and more)
 RESUME_KEYS = ("model", "model_config", "optimizer", "step", "loader", "rng")
@@ -71,7 +71,7 @@ def find(cfg, procs, warn):
     if cfg.resume:  # the newest that loads; newer damaged ones are set aside with a warning
         path, ckpt = load_for_resume(cfg.out_dir, RESUME_KEYS, warn, procs.ddp, procs.rank)
         if ckpt is not None:
-            model = settle(cfg, checkpoint_settings(ckpt["model_config"]), path, resuming=True)
+            model = settle(cfg, resumed_settings(ckpt["model_config"]), path, resuming=True)
             if cfg.init_from != "scratch":
                 notes.append(f"init_from={cfg.init_from!r} not read: --resume continues {path}")
             return Start(with_model(cfg, model), ckpt, path, notes=notes)
@@ -120,26 +120,39 @@ def settle(cfg, source, where, resuming):
     if unknown:
         raise ConfigError(f"{where} has model settings this version does not know: {unknown}")
     given = given_model_flags(cfg)
-    free = set(IMPL_KEYS)
-    if not resuming:
-        free |= {"dropout", "low_precision_residual"}
+    if resuming:
+        free = set(given) & {*IMPL_KEYS, "dropout"}
+    else:
+        free = {*IMPL_KEYS, "dropout", "low_precision_residual"}
         if "block_size" in given and own["block_size"] <= source["block_size"]:
             free.add("block_size")
-    elif "dropout" in given:
-        free.add("dropout")
     differ = [k for k in given if k not in free and own[k] != source[k]]
     if differ:
+        flags = {}  # flag -> the settings it gives that differ
+        for k in differ:
+            flags.setdefault(given[k], []).append(k)
+        named = [
+            f if f.startswith(f"--{ks[0]}=") else f"{f} ({', '.join(ks)})"
+            for f, ks in flags.items()
+        ]
         theirs = ", ".join(f"{k}={source[k]!r}" for k in differ)
         how = "--resume continues" if resuming else "--init_from starts from"
         crop = "; a smaller block_size cuts it" if "block_size" in differ and not resuming else ""
         raise ConfigError(
-            f"{', '.join(given[k] for k in differ)} contradict{'s' * (len(differ) == 1)} "
-            f"{where} ({theirs}): {how} its model, drop the flag{crop}"
+            f"{', '.join(named)} contradict{'s' * (len(named) == 1)} {where} ({theirs}): "
+            f"{how} its model, drop the flag{crop}"
         )
     try:
         return GPTConfig(**{k: own[k] if k in free else source[k] for k in own})
     except ValueError as e:  # GPTConfig's own checks, of the checkpoint's values
         raise CheckpointError(f"{where}: {e}") from e
+
+
+def resumed_settings(saved):
+    """A checkpoint's model_config completed (model_io.checkpoint_settings), with the fast-path
+    switches the run computed with: a resume with no flags continues that very computation."""
+    impls = {k: saved[k] for k in IMPL_KEYS if saved.get(k) in IMPLS}
+    return checkpoint_settings(saved) | impls
 
 
 def given_model_flags(cfg):
@@ -149,7 +162,7 @@ def given_model_flags(cfg):
     flags = {k: f"--{k}={v!r}" for k, v in cfg.given.items() if k in names}
     preset = cfg.given.get(PRESET_NAME)
     for k in PRESET_SIZES if preset else ():
-        flags.setdefault(k, f"--model={preset!r} ({k}={getattr(cfg.model, k)})")
+        flags.setdefault(k, f"--{PRESET_NAME}={preset!r}")
     return flags
 
 
