@@ -23,6 +23,7 @@ from data.loader import DataLoader
 from gpt2_fused.core import model_io, start
 from gpt2_fused.core.config import ConfigError, TrainConfig, load_config
 from gpt2_fused.core.errors import run_main
+from gpt2_fused.core.runlog import read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_FLAGS = ("--vocab_size", "--padded_vocab_size", "--n_layer", "--n_head", "--n_embd")
@@ -324,3 +325,16 @@ def test_gpu_init_from_with_the_fused_loss_bf16_and_fp8(exported, tiny_data, tmp
     loss, batches, _ = first_step(args, tiny_data, tmp_path, capsys)
     batches = [(x.cpu(), y.cpu()) for x, y in batches]
     assert loss == pytest.approx(transformers_loss(exported.hf, batches), rel=2e-2)
+
+
+def test_the_fine_tuning_recipe_runs(exported, tiny_data, tmp_path):
+    """configs/finetune_gpt2.py from the exported weights at a tiny scale: its constant learning
+    rate from the first step, a val loss every 5 steps and at the end."""
+    recipe = os.path.join(REPO, "configs", "finetune_gpt2.py")
+    scale = ["--batch_size=4", "--total_batch_size=256", "--val_tokens=512", "--max_steps=6"]
+    where = [f"--init_from={exported.hf}", f"--dataset={tiny_data}", f"--out_dir={tmp_path}"]
+    cpu = ["--device=cpu", "--dtype=float32", "--compile=False", "--loss_impl=torch"]
+    train.main([recipe, *scale, *where, *cpu])
+    log = [r for r in read_jsonl(tmp_path / "log.jsonl") if "lr" in r]
+    assert [r["lr"] for r in log] == [3e-5] * 6
+    assert sorted(read_log(tmp_path)[1]) == [0, 5, 6]
