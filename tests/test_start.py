@@ -211,6 +211,14 @@ def test_flags_that_contradict_the_weights_exit_2(exported, tiny_data, tmp_path,
     assert not tmp_path.joinpath("log.jsonl").exists()
 
 
+def test_init_from_a_folder_without_weights_exits_1(tmp_path, capsys):
+    code, line = error_line(["--device=cpu", f"--init_from={tmp_path}"], capsys)
+    assert code == 1 and line == (
+        f"checkpoint error: init_from='{tmp_path}': {tmp_path} holds neither config.json (an HF "
+        "GPT-2 folder) nor ckpt_*.pt (an out_dir)"
+    )
+
+
 def test_unknown_init_from_exits_2(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, line = error_line(["--init_from=gtp2", "--device=cpu"], capsys)
@@ -270,6 +278,20 @@ def test_model_settings_that_may_differ_from_the_source():
     assert (model.dropout, model.mlp_impl, model.attn_impl) == (0.1, "torch", "torch")
     model = start.settle(load_config([]), source, "src", resuming=True)
     assert (model.dropout, model.mlp_impl, model.attn_impl) == (0.0, "fast", "torch")
+
+
+def test_a_resume_on_another_world_size_says_so(exported, tiny_args, tmp_path, capsys):
+    """A checkpoint written by 2 processes, resumed by 1: one note, and the run goes on."""
+    ckpt = torch.load(exported.ckpt, weights_only=True)
+    ckpt["rng"] = {k: v * 2 for k, v in ckpt["rng"].items()}  # as 2 ranks write it
+    torch.save(ckpt, tmp_path / "ckpt_0000003.pt")
+    capsys.readouterr()
+    train.main([*tiny_args, "--resume", "--max_steps=4", f"--out_dir={tmp_path}"])
+    assert (
+        "written by 2 processes, resumed on 1: RNG re-seeded, the run is not bit-identical; "
+        "tokens/step stay 256 (total_batch_size: gradient accumulation makes up)\n"
+    ) in capsys.readouterr().out
+    assert sorted(read_log(tmp_path)[0]) == [3]
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,10 @@ def pretrained(source, warn):
             path = cached_hf(source)
         if (path / "config.json").is_file():
             return str(path), from_hf(path)
+        if path.is_dir() and not list_checkpoints(path):
+            raise FileNotFoundError(
+                f"{path} holds neither config.json (an HF GPT-2 folder) nor ckpt_*.pt (an out_dir)"
+            )
         return str(path), from_checkpoint(path, warn=warn)[0]
     except (OSError, ValueError) as e:  # CheckpointError is a ValueError
         raise CheckpointError(f"init_from={source!r}: {e}") from e
