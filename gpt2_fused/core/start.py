@@ -5,11 +5,11 @@ A checkpoint in out_dir that loads wins over init_from, so that a fine-tune rest
 same command continues instead of starting over; with none, --resume starts as init_from says.
 init_from's weights give a new run (step 0, a fresh optimizer and data order) its model.
 
-The checkpoint or the weights give the model's settings. A model setting a config file or the
-command line gave (TrainConfig.given) must agree with them, but for:
-- the fast-path switches (IMPL_KEYS) say how a layer is computed, not what, and dropout is
-  regularisation: a new run's own; a resumed run keeps the checkpoint's unless one is given;
-- low_precision_residual: a new run's own (rounding, not weights); a resumed run keeps it;
+The checkpoint or the weights give the model's settings; a model setting that a config file or
+the command line gave (TrainConfig.given) must agree with them, except:
+- the fast-path switches (IMPL_KEYS: how a layer is computed, not what) and dropout (a
+  regulariser): a new run's own; a resumed run keeps the checkpoint's unless one is given;
+- low_precision_residual (rounding, not weights): a new run's own; a resumed run keeps it;
 - block_size under init_from: a smaller one keeps the first rows of the position embeddings
   (nanoGPT's crop_block_size).
 """
