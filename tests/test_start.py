@@ -301,15 +301,17 @@ def test_a_resume_on_another_world_size_says_so(exported, tiny_args, tmp_path, c
             {"batch_size": 4, "total_batch_size": 0},
             [],
             "tokens/step 256 -> 128 (one micro-batch a process; --total_batch_size=256 keeps them)",
-        ),  # fmt: skip
+        ),
         (
             {"batch_size": 4, "total_batch_size": 256},
             ["--total_batch_size=256"],
             "tokens/step stay 256 (total_batch_size: gradient accumulation makes up)",
-        ),  # fmt: skip
+        ),
+        ({"batch_size": 2, "total_batch_size": 0}, [], "tokens/step stay 128"),
     ],
 )
 def test_a_resume_on_another_world_size_says_what_happens_to_tokens_a_step(saved, flags, says):
+    """Written by 2 processes, resumed by 1 at micro-batch 4, T 32."""
     cfg = load_config(["--batch_size=4", "--block_size=32", *flags])
     procs = types.SimpleNamespace(world_size=1)
     note = start.world_size_note(cfg, saved, 2, procs)

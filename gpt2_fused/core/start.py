@@ -206,7 +206,9 @@ def world_size_note(cfg, saved, written_by, procs):
     )
     now = cfg.total_batch_size or cfg.batch_size * T * W
     if before == now:
-        tokens = f"tokens/step stay {now:,} (total_batch_size: gradient accumulation makes up)"
+        tokens = f"tokens/step stay {now:,}"
+        if cfg.total_batch_size:
+            tokens += " (total_batch_size: gradient accumulation makes up)"
     else:
         tokens = f"tokens/step {before:,} -> {now:,}"
         if not cfg.total_batch_size:
