@@ -2,12 +2,13 @@
 
     python train.py                                   # small model on the embedded data (CPU ok)
     python train.py configs/gpt2_124m_fineweb.py --batch_size=32 --resume
+    python train.py configs/finetune_gpt2.py          # from GPT-2's weights (--init_from)
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m_fineweb.py
 
 Settings are the fields of `TrainConfig` (gpt2_fused/core/config.py) and of the model's `GPTConfig`
 nested in it; a config file (Python, run with runpy: `name = value` lines) sets some of them, then
 `--name=value` or `--name value` arguments override (Python literals; core/cli.py). Checkpoints
-go to out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest one.
+go to out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest one, with its model.
 """
 
 import contextlib
@@ -25,16 +26,17 @@ from data import hellaswag
 from data.loader import DataLoader, iter_val_batches, open_data
 from data.shards import DataError
 from data.tokenizer import EOT, get_tokenizer
-from gpt2_fused.core import compile_cache, distributed, fp8, memory, plot, sharding, weight_casts
-from gpt2_fused.core.checkpoint import (
-    CheckpointError,
-    list_checkpoints,
-    load_for_resume,
-    newest_note,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
+from gpt2_fused.core import (
+    compile_cache,
+    distributed,
+    fp8,
+    memory,
+    plot,
+    sharding,
+    start,
+    weight_casts,
 )
+from gpt2_fused.core.checkpoint import CheckpointError, newest_note, rng_state, save_checkpoint
 from gpt2_fused.core.compile_guard import (
     check_training_step,
     compiled_loss_mismatch,
@@ -52,14 +54,10 @@ from gpt2_fused.core.config import (
 from gpt2_fused.core.device import fast_path_notes, peak_flops, resolve_dtype
 from gpt2_fused.core.errors import run_main
 from gpt2_fused.core.generate import generate
-from gpt2_fused.core.model_io import checkpoint_settings
 from gpt2_fused.core.optim import get_lr
 from gpt2_fused.core.runlog import LogError, RunLog, StepLog, StepStats, device_name, print_start
 from gpt2_fused.core.signals import StopFlag
-from model import GPT, IMPL_KEYS
-
-# what --resume reads from a checkpoint (save() writes these and more)
-RESUME_KEYS = ("model", "model_config", "optimizer", "step", "loader", "rng")
+from model import GPT
 
 # errors the user can fix: one line (gpt2_fused/core/errors.py; GPT2_DEBUG=1: a traceback)
 USER_ERRORS = {
@@ -95,36 +93,6 @@ class Run:
 
 def every(step, interval):
     return interval > 0 and step % interval == 0
-
-
-def resume(run, path, ckpt, notes):
-    """Load a checkpoint's weights, optimizer, data position and RNG; returns its step. Every
-    model setting but the IMPL_KEYS (how a layer is computed) must match the checkpoint's."""
-    cfg, procs = run.cfg, run.procs
-    mine, saved = asdict(cfg.model), checkpoint_settings(ckpt["model_config"])
-    keys = sorted((set(mine) | set(saved)) - set(IMPL_KEYS))
-    differ = [k for k in keys if mine.get(k) != saved.get(k)]
-    if differ:
-        fix = " ".join(f"--{k}={saved[k]!r}" for k in differ if k in mine and k in saved)
-        raise ConfigError(
-            f"model config differs from {path}'s in {differ}"
-            + (f"; to resume it, pass {fix}" if fix else "")
-        )
-    run.shard.load_state(run.raw_model, run.optimizer, ckpt)  # each rank keeps its part
-    note = run.loader.load_state_dict(ckpt["loader"])  # one position for all ranks, any W
-    step = ckpt["step"]
-    notes.append(f"resumed from {path} at step {step}")
-    if note:  # the checkpoint's data order is not the one cfg asks for; it continues
-        notes.append(note)
-    if len(ckpt["rng"]["torch"]) == procs.world_size:
-        set_rng_state(ckpt["rng"], procs.rank, procs.device)
-    else:  # the data order still continues exactly; dropout masks cannot
-        torch.manual_seed(cfg.seed + procs.rank + procs.world_size * step)
-        notes.append(
-            f"it was written by {len(ckpt['rng']['torch'])} ranks, not "
-            f"{procs.world_size}: RNG re-seeded, the run is not bit-identical"
-        )
-    return step
 
 
 def evaluate(run, model):
@@ -312,9 +280,12 @@ def main(argv=None, train_loader=DataLoader):
     print0 = distributed.printer(procs)
     run_log, stop, finished = RunLog(), StopFlag(announce=procs.master), False
     compile_settings = contextlib.ExitStack()  # Inductor's global settings, for this run only
-    try:
+    try:  # the model's settings from the checkpoint resumed or the weights of init_from
+        begin = start.find(cfg, procs, print0)
+        cfg = begin.cfg
         shard = sharding.mode(cfg, procs)  # a combination that does not run stops here
         notes = shard.notes  # the start-up report's (shard.sync_at_step adds to it too)
+        notes += begin.notes
         T = cfg.model.block_size
         try:  # the GPU, torch and torchao can run FP8 GEMMs (nothing for fp8="off")
             fp8.check(cfg.fp8, device)
@@ -334,6 +305,7 @@ def main(argv=None, train_loader=DataLoader):
             )
         with torch.device(device):  # initialised where it runs: 1558M on a CPU takes seconds
             raw_model = GPT(cfg.model)
+        begin.load_weights(raw_model)  # init_from's, before FP8 and sharding wrap the Linears
         raw_model.z_loss = cfg.z_loss  # in training-mode losses only: val stays plain CE
         if cfg.fp8 != "off":  # before sharding, compile and DDP wrap the Linears
             n = len(fp8.convert(raw_model, cfg.fp8, shard.fully_sharded))
@@ -347,29 +319,19 @@ def main(argv=None, train_loader=DataLoader):
         cfg.compile_mode = pick_mode(cfg.compile_mode, device, bucketed, per_layer)  # "auto"
         loader, train_glob, val_glob = open_data(cfg, train_loader, procs)
         run = Run(cfg, procs, raw_model, optimizer, loader, val_glob, dtype, print0, shard)
-        start_step, ckpts = 0, list_checkpoints(cfg.out_dir)
+        start_step = 0
         if train_loader is not DataLoader:
             notes.append(f"train batches from {train_loader.__name__}, not data.loader.DataLoader")
-        if ckpts and not cfg.resume:
-            raise ConfigError(
-                f"out_dir {cfg.out_dir!r} already holds checkpoints ({ckpts[-1]}); "
-                "pass --resume to continue, or choose another out_dir"
-            )
-        if cfg.resume:  # the newest that loads; newer damaged ones are set aside with a warning
-            path, ckpt = load_for_resume(cfg.out_dir, RESUME_KEYS, print0, procs.ddp, rank)
-            if ckpt is None:
-                notes.append(f"--resume: no checkpoint in {cfg.out_dir!r}, starting at step 0")
-            else:
-                start_step = resume(run, path, ckpt, notes)
-                del ckpt
-                if start_step >= cfg.max_steps:
-                    print0(
-                        f"{path}: the run finished at step {start_step} (max_steps="
-                        f"{cfg.max_steps}), nothing to train; a larger --max_steps trains on "
-                        "(the learning-rate schedule then follows the new max_steps)"
-                    )
-                    finished = True
-                    return
+        if begin.ckpt is not None:
+            start_step = start.resume(run, begin, notes)
+            if start_step >= cfg.max_steps:
+                print0(
+                    f"{begin.path}: the run finished at step {start_step} (max_steps="
+                    f"{cfg.max_steps}), nothing to train; a larger --max_steps trains on "
+                    "(the learning-rate schedule then follows the new max_steps)"
+                )
+                finished = True
+                return
         if use_compile:  # compilation is lazy (first step, first eval): patched until the end
             compile_cache.use_keyed_cache()  # not another version's custom-op graphs
             compile_settings.enter_context(compiler_settings(cfg))

@@ -283,8 +283,8 @@ def test_resume_rules(tiny_args, tmp_path):
     with pytest.raises(config.ConfigError, match="low_precision_residual"):
         train.main(args + ["--resume", "--low_precision_residual=False"])
     # a checkpoint from before a model setting existed was trained with the old behaviour
-    # (model_io.PREDATED), not today's default: resuming it needs that value, and the error says so;
-    # one with a setting this version does not know is refused, naming it
+    # (model_io.PREDATED), not today's default: it resumes with that value, and a flag asking for
+    # today's default is named; one with a setting this version does not know is refused, naming it
     (path,) = tmp_path.glob("ckpt_*.pt")
     ckpt = torch.load(path, weights_only=True)
     assert ckpt["model_config"]["low_precision_residual"] is True
@@ -292,16 +292,22 @@ def test_resume_rules(tiny_args, tmp_path):
     del ckpt["model_config"]["softcap"]  # older still: before softcap, which was off
     torch.save(ckpt, path)
     more = tiny_args + [f"--out_dir={tmp_path}", "--max_steps=2", "--resume"]
-    with pytest.raises(config.ConfigError, match="pass --low_precision_residual=False"):
-        train.main(more)
-    train.main(more + ["--low_precision_residual=False"])
+    with pytest.raises(
+        config.ConfigError,
+        match=r"^--low_precision_residual=True contradicts .*\(low_precision_residual=False\)",
+    ):
+        train.main(more + ["--low_precision_residual=True"])
+    train.main(more)
     assert sorted(read_log(tmp_path)[0]) == [0, 1]
+    assert not torch.load(tmp_path / "ckpt_0000002.pt", weights_only=True)["model_config"][
+        "low_precision_residual"
+    ]
     (path,) = [p for p in tmp_path.glob("ckpt_*.pt") if p.name.endswith("2.pt")]
     ckpt = torch.load(path, weights_only=True)
     ckpt["model_config"]["rotary"] = True
     torch.save(ckpt, path)
     with pytest.raises(config.ConfigError, match="rotary"):
-        train.main(more[:-2] + ["--max_steps=3", "--resume", "--low_precision_residual=False"])
+        train.main(more[:-2] + ["--max_steps=3", "--resume"])
 
 
 def test_softcap_and_z_loss_run(tiny_args, tiny_data, tmp_path):
@@ -322,10 +328,10 @@ def test_softcap_and_z_loss_run(tiny_args, tiny_data, tmp_path):
             for x, y in iter_val_batches(val_glob, B, T, max_tokens=512)
         ]
     assert vals[2] == pytest.approx(torch.stack(ce).mean().item(), abs=1e-5)
-    with pytest.raises(
-        config.ConfigError, match=r"\['softcap'\]; to resume it, pass --softcap=30.0"
-    ):
-        train.main(tiny_args + [f"--out_dir={tmp_path}/z", "--max_steps=3", "--resume"])
+    with pytest.raises(config.ConfigError, match=r"^--softcap=0.0 contradicts .*\(softcap=30.0\)"):
+        train.main(
+            tiny_args + [f"--out_dir={tmp_path}/z", "--max_steps=3", "--resume", "--softcap=0"]
+        )
 
 
 def test_resume_of_a_finished_run_says_so(tiny_args, tmp_path, capsys):

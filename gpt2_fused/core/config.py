@@ -40,6 +40,11 @@ class TrainConfig:
     """Every setting of a run. The defaults train a 4-layer GPT on the embedded text in about
     2 minutes on a 2-core CPU; configs/ holds the real recipes."""
 
+    # not a field: {name: value} of the settings a config file or the command line gave
+    # (load_config), which a checkpoint or init_from's weights must agree with; {} when built
+    # directly
+    given = types.MappingProxyType({})
+
     # data
     dataset: str = setting("embedded", '"embedded" (small text in the repo) or a dir of shards')
     shuffle: bool = setting(True, "new order of training windows each epoch, from seed")
@@ -79,6 +84,11 @@ class TrainConfig:
     ckpt_interval: int = setting(100, "steps between checkpoints (0: only at the end)")
     keep_last: int = setting(2, "checkpoints kept, the newest (0: all; 1: no fallback)")
     resume: bool = setting(False, "continue from the newest checkpoint in out_dir")
+    # the weights (and so the model's shape) a run that does not resume starts from
+    # (gpt2_fused/core/start.py)
+    init_from: str = setting(
+        "scratch", '"scratch", "gpt2"..."gpt2-xl" (HF cache), an HF dir, a checkpoint or out_dir'
+    )
     wandb: bool = setting(False, "log to Weights & Biases")
     wandb_project: str = setting("gpt2", "W&B project")
     wandb_run_name: str = setting("", "W&B run name")
@@ -217,6 +227,11 @@ class TrainConfig:
             )
         if cfg.shard not in SHARD_MODES:
             raise ConfigError(f"config key 'shard': one of {SHARD_MODES}, not {cfg.shard!r}")
+        if not cfg.init_from or cfg.init_from == "resume":
+            raise ConfigError(
+                f"config key 'init_from': {cfg.init_from!r} names no weights; to continue the "
+                "newest checkpoint in out_dir pass --resume, else 'scratch', a GPT-2 name or a path"
+            )
         if cfg.fp8 == "fused" and cfg.shard == "full":  # FSDP2's sharded weights: not measured
             raise ConfigError(
                 "fp8='fused' with shard='full': the fused FP8 kernels take whole weights and are "
@@ -340,7 +355,9 @@ def load_config(argv):
         model = replace(base, **model)
     except ValueError as e:
         raise ConfigError(f"model settings: {e}") from None
-    return TrainConfig(model=model, **train)  # its __post_init__ checks the values
+    cfg = TrainConfig(model=model, **train)  # its __post_init__ checks the values
+    cfg.given = types.MappingProxyType(overrides)
+    return cfg
 
 
 def grad_accum_steps(total_batch_size, batch_size, seq_len, world_size):

@@ -2,6 +2,7 @@
 directories (config.json + model.safetensors) in both directions, without extra packages."""
 
 import json
+import os
 import struct
 import sys
 from dataclasses import fields
@@ -128,6 +129,54 @@ def from_hf(directory):
     if "transformer.wte.weight" in sd:
         sd["lm_head.weight"] = sd["transformer.wte.weight"]
     return GPT.from_state_dict(config, sd)
+
+
+# the GPT-2 names init_from takes -> their Hugging Face repos (the hub's older ids, "gpt2", ...,
+# name the same weights and have cache folders of their own)
+HF_GPT2 = {
+    name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+}
+
+
+def hf_cache():
+    """The local Hugging Face hub cache, found as huggingface_hub finds it: $HF_HUB_CACHE, else
+    $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    hub = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if hub:
+        return Path(hub).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface"
+    )
+    return Path(home).expanduser() / "hub"
+
+
+def cached_hf(name):
+    """The folder of GPT-2 `name` (a key of HF_GPT2) in the local Hugging Face cache that holds
+    config.json and weights: hub/models--{owner}--{repo}/snapshots/{revision}/, the one
+    refs/main points at first. Never downloads: FileNotFoundError, naming the cache and the
+    command that fills it, when no snapshot is complete."""
+    cache, repo = hf_cache(), HF_GPT2[name]
+    for repo_id in (repo, name):
+        folder = cache / ("models--" + repo_id.replace("/", "--"))
+        main = folder / "refs" / "main"
+        revisions = [main.read_text().strip()] if main.is_file() else []
+        snapshots = folder / "snapshots"
+        if snapshots.is_dir():  # newest first after main's
+            others = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+            revisions += [p.name for p in others]
+        for revision in revisions:
+            snapshot = snapshots / revision
+            weights = ("model.safetensors", "pytorch_model.bin")
+            if (snapshot / "config.json").is_file() and any(
+                (snapshot / w).is_file() for w in weights
+            ):
+                return snapshot
+    raise FileNotFoundError(
+        f"{name} is not in the Hugging Face cache {cache} (nothing is downloaded here); fill it "
+        f"on a machine with network: hf download {repo} config.json model.safetensors (the "
+        "huggingface_hub package's command; then copy the cache, or point $HF_HOME at it), or "
+        "pass the path of an HF GPT-2 directory"
+    )
 
 
 def save_hf(model, directory):
