@@ -6,7 +6,7 @@
 # The model's shape comes from the weights; --block_size=256 (say) cuts its context.
 init_from = "gpt2"  # or gpt2-medium ... gpt2-xl, an HF GPT-2 folder, one of our checkpoints
 dataset = "data/cache/local"
-batch_size = 4  # micro-batch per GPU, sequences of 1024
+batch_size = "auto"  # the largest micro-batch (sequences of 1024) that fits the GPU
 total_batch_size = 32768  # 32 sequences a step
 max_steps = 20  # x 32,768 = 655K tokens
 learning_rate = 3e-5
