@@ -37,14 +37,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
+from gpt2_fused.core.device import resolve_dtype
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # a, b, c of a s + b s^3 + c s^5
 NS_STEPS = 5
 
 
-def orthogonalize_reference(u, steps=NS_STEPS):
+def orthogonalize_reference(u, steps=NS_STEPS, dtype=torch.bfloat16):
     """~ U V^T of each (m, n) matrix in u (..., m, n) by the quintic Newton-Schulz iteration
-    (module docstring), in bf16; returns bf16 of u's shape."""
-    x = u.bfloat16()
+    (module docstring), in `dtype`; returns a tensor of u's shape in that dtype."""
+    x = u.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -60,13 +62,14 @@ _compiled = None
 
 
 def orthogonalize(u):
-    """orthogonalize_reference, compiled on CUDA (recompiled per shape, a handful a model)."""
+    """orthogonalize_reference in u's dtype, compiled on CUDA (recompiled per shape, a handful a
+    model)."""
     global _compiled
     if u.device.type != "cuda":
-        return orthogonalize_reference(u)
+        return orthogonalize_reference(u, dtype=u.dtype)
     if _compiled is None:
         _compiled = torch.compile(orthogonalize_reference, fullgraph=True, dynamic=False)
-    return _compiled(u)
+    return _compiled(u, dtype=u.dtype)
 
 
 def is_muon_matrix(name, p):
@@ -94,23 +97,29 @@ def muon_parts(model, cfg, device):
         dict(params=[p for p in rest if p.dim() < 2], muon=False, weight_decay=0.0),
     ]
     kw = dict(lr=cfg.learning_rate, momentum=cfg.muon_momentum, betas=(cfg.beta1, cfg.beta2))
-    return Muon, groups, dict(kw, fused=device.type == "cuda")
+    ns_dtype = str(resolve_dtype(cfg.dtype, device)).removeprefix("torch.")
+    return Muon, groups, dict(kw, adamw_fused=device.type == "cuda", ns_dtype=ns_dtype)
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon on groups with muon=True, torch's AdamW on the others (module docstring). fused:
-    AdamW's fused kernel (CUDA). share_across_ranks: under a process group, split the
-    orthogonalisation across the ranks (every rank must hold every parameter, whole or as FSDP2
-    shards); False where each rank holds its own parameters (ZeRO-1)."""
+    """Muon on groups with muon=True, torch's AdamW on the others (module docstring).
+    adamw_fused: AdamW's fused kernel (CUDA); only the AdamW groups get the "fused" flag, so
+    optim.clipped_step clips the grads before the step (Muon reads no grad_scale).
+    share_across_ranks: under a process group, split the orthogonalisation across the ranks
+    (every rank must hold every parameter, whole or as FSDP2 shards); False where each rank holds
+    its own parameters (ZeRO-1). ns_dtype: the orthogonalisation's, the run's matmul dtype
+    ("bfloat16"; "float32" in fp32 runs on a CPU, where bf16 GEMMs are slow and their rounding
+    would hide the ranks' float-exact match with one process)."""
 
     def __init__(self, params, lr=1e-3, momentum=0.95, betas=(0.9, 0.95), eps=1e-8,
-                 weight_decay=0.0, fused=False, share_across_ranks=True):  # fmt: skip
+                 weight_decay=0.0, adamw_fused=False, share_across_ranks=True,
+                 ns_dtype="bfloat16"):  # fmt: skip
         defaults = dict(lr=lr, momentum=momentum, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, dict(defaults, muon=False, lr_scale=1.0))
         for group in self.param_groups:  # torch's load_state_dict keeps fused steps on device
-            if fused and not group["muon"]:
+            if adamw_fused and not group["muon"]:
                 group["fused"] = True
-        self.share = share_across_ranks
+        self.share, self.ns_dtype = share_across_ranks, getattr(torch, ns_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -155,14 +164,14 @@ class Muon(torch.optim.Optimizer):
     def _muon_step(self, group):
         params = [p for p in group["params"] if p.grad is not None]
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-        ahead = []  # the Nesterov u of each matrix, bf16, whole
+        ahead = []  # the Nesterov u of each matrix, in ns_dtype, whole
         for p in params:
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             m = state["momentum_buffer"]
             m.lerp_(p.grad, 1 - mu)
-            u = torch.lerp(p.grad, m, mu).bfloat16()
+            u = torch.lerp(p.grad, m, mu).to(self.ns_dtype)
             ahead.append(u.full_tensor() if isinstance(u, DTensor) else u)
         for p, o in zip(params, self._orthogonalized(ahead), strict=True):
             if isinstance(p, DTensor):
@@ -171,7 +180,7 @@ class Muon(torch.optim.Optimizer):
             p.add_(o, alpha=-lr * math.sqrt(max(1.0, o.size(-2) / o.size(-1))))
 
     def _orthogonalized(self, us):
-        """orthogonalize(u) for each u (whole bf16 matrices, the same on every rank), each
+        """orthogonalize(u) for each u (whole matrices, the same on every rank), each
         shape as one batch; under a process group (share) each rank computes its share."""
         world = dist.get_world_size() if self.share and dist.is_initialized() else 1
         rank = dist.get_rank() if world > 1 else 0

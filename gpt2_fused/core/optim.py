@@ -65,7 +65,9 @@ def load_optimizer_state(optimizer, state, load=None):
             f"--optimizer={saved} to resume it"
         )
     local = local_optimizer(optimizer)
-    how = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in local.param_groups]
+    # lr_scale: Muon's muon_lr / learning_rate, the run's own (as the LR itself is)
+    keep = ("fused", "foreach", "lr_scale")
+    how = [{k: g[k] for k in keep if k in g} for g in local.param_groups]
     (load or optimizer.load_state_dict)(state)
     if local is not optimizer:
         # the wrapper also loaded this rank's part (on a GPU a second copy), which it never reads
