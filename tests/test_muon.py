@@ -3,14 +3,16 @@ SVD, one update against the formulas, and training under torchrun (gloo, CPU) ag
 process, with checkpoints that resume exactly and refuse the other optimizer."""
 
 import shutil
+import subprocess
 
 import pytest
 import torch
-from test_shard import shard_args, torchrun
+from test_ddp import cuda_args, torchrun_2
+from test_shard import REPO, shard_args, torchrun
 
 import train
 from conftest import read_log, read_norms
-from gpt2_fused.core.config import ConfigError
+from gpt2_fused.core.config import ConfigError, TrainConfig
 from gpt2_fused.core.muon import NS_COEFFS, NS_STEPS, Muon, orthogonalize, orthogonalize_reference
 
 STEPS = 20
@@ -68,7 +70,7 @@ def test_gpu_compiled_orthogonalize_matches_the_reference(shape):
     rel = torch.linalg.vector_norm(got.float() - ref.float()) / torch.linalg.vector_norm(ref)
     assert rel < 0.03, rel  # bf16 GEMMs in another order; the loop's own error is ~3 %
     for g, x in zip(got.reshape(-1, *shape[-2:]), u.reshape(-1, *shape[-2:]), strict=True):
-        check_orthogonal(g.cpu(), x.cpu())
+        check_orthogonal(g, x)
 
 
 def test_one_update_follows_the_formulas():
@@ -160,3 +162,51 @@ def test_resume_is_exact_and_refuses_the_other_optimizer(single, tiny_data, tmp_
     train.main(shard_args(tiny_data, adamw, "--max_steps=1", "--ckpt_interval=1"))
     with pytest.raises(ConfigError, match="holds adamw's optimizer state.*--optimizer=adamw"):
         train.main(muon_args(tiny_data, adamw, "--resume", "--max_steps=2"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("extra", [[], ["--fp8='fused'"]], ids=["bf16", "fp8_fused"])
+def test_gpu_compiled_graphs_follow_eager(tiny_args, tmp_path, extra):
+    """On CUDA: the compiled step replayed as CUDA graphs (compile_mode auto at this size), two
+    micro-steps a step, clipping on, the Newton-Schulz compiled and in bf16, trains the curve of
+    the same run in eager mode (bf16 rounding apart); with --fp8=fused too."""
+    args = [*cuda_args(tiny_args), "--optimizer='muon'", "--max_steps=8", "--eval_interval=4"]
+    args += ["--grad_clip=0.5", *extra]
+    train.main([*args, f"--out_dir={tmp_path / 'compiled'}"])
+    train.main([*args, "--compile=False", f"--out_dir={tmp_path / 'eager'}"])
+    a, a_val = read_log(tmp_path / "eager")
+    b, b_val = read_log(tmp_path / "compiled")
+    assert sorted(b) == list(range(8)) and sorted(b_val) == [0, 4, 8]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-2), step
+    assert b[7] < b[0] - 1  # it trained
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("shard", ["none", "optimizer", "full"])
+def test_gpu_two_ranks_follow_one_process(tiny_args, tmp_path, shard):
+    """torchrun on 2 GPUs (NCCL), each --shard mode, against one process with twice the
+    accumulation (bf16: to 1 %)."""
+    args = [*cuda_args(tiny_args), "--optimizer='muon'", "--total_batch_size=512"]
+    args += ["--max_steps=6", "--eval_interval=3", "--compile_mode='default'"]
+    train.main([*args, f"--out_dir={tmp_path / 'single'}"])
+    cmd = [*torchrun_2(*args), f"--shard={shard}", f"--out_dir={tmp_path / 'multi'}"]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    a, _ = read_log(tmp_path / "single")
+    b, _ = read_log(tmp_path / "multi")
+    assert sorted(b) == list(range(6))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-2), step
+
+
+@pytest.mark.parametrize(
+    "key, value, says",
+    [("optimizer", "sgd", "'adamw' or 'muon'"), ("muon_momentum", 1.0, "in \\[0, 1\\)"),
+     ("muon_lr", 0.0, "must be > 0"), ("muon_weight_decay", -0.1, "must be >= 0")],
+)  # fmt: skip
+def test_bad_muon_settings_are_one_line_errors(key, value, says):
+    with pytest.raises(ConfigError, match=f"'{key}'.*{says}"):
+        TrainConfig(**{key: value})

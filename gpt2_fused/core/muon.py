@@ -174,10 +174,11 @@ class Muon(torch.optim.Optimizer):
             u = torch.lerp(p.grad, m, mu).to(self.ns_dtype)
             ahead.append(u.full_tensor() if isinstance(u, DTensor) else u)
         for p, o in zip(params, self._orthogonalized(ahead), strict=True):
+            scale = math.sqrt(max(1.0, o.size(-2) / o.size(-1)))  # the whole matrix's shape
             if isinstance(p, DTensor):
                 p, o = p.to_local(), _rows_of_this_rank(o, p)
             p.mul_(1 - lr * wd)
-            p.add_(o, alpha=-lr * math.sqrt(max(1.0, o.size(-2) / o.size(-1))))
+            p.add_(o, alpha=-lr * scale)
 
     def _orthogonalized(self, us):
         """orthogonalize(u) for each u (whole matrices, the same on every rank), each
