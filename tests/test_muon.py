@@ -115,17 +115,30 @@ def single(tiny_data, tmp_path_factory):
     return out_dir
 
 
-@pytest.mark.parametrize("mode, world", [("none", 2), ("optimizer", 3), ("full", 3)])
-def test_ranks_train_the_single_process_curve(single, tiny_data, tmp_path, mode, world):
+RANKS = [("none", 2), ("optimizer", 3), ("full", 3)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_data, tmp_path_factory):
+    """(mode, W) -> out_dir of a 20-step Muon run under torchrun, for each of RANKS."""
+    base, done = tmp_path_factory.mktemp("muon_ranks"), {}
+    for mode, world in RANKS:
+        done[mode, world] = base / f"{mode}_{world}"
+        out = torchrun(world, muon_args(tiny_data, done[mode, world], f"--shard={mode}"))
+        assert "optimizer = 'muon'" in out
+    return done
+
+
+@pytest.mark.parametrize("mode, world", RANKS)
+def test_ranks_train_the_single_process_curve(single, ranks, mode, world):
     """DDP (2 ranks: each orthogonalises half of each shape's matrices, then all-gather), ZeRO-1
     and FSDP2 (3 ranks: FSDP2's dim-0 shards of uneven rows) follow one process's losses, grad
     norms and final weights to float rounding over 20 steps."""
-    out = torchrun(world, muon_args(tiny_data, tmp_path, f"--shard={mode}"))
-    assert "optimizer = 'muon'" in out
+    tmp_path = ranks[mode, world]
     ref, ref_val = read_log(single)
     got, got_val = read_log(tmp_path)
     assert sorted(got) == list(range(STEPS)) and sorted(got_val) == [0, 10, 20]
-    assert read_norms(tmp_path) == pytest.approx(read_norms(single), rel=1e-4)
+    assert read_norms(tmp_path) == pytest.approx(read_norms(single), rel=1e-5)
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
     for step in ref_val:
@@ -138,6 +151,19 @@ def test_ranks_train_the_single_process_curve(single, tiny_data, tmp_path, mode,
     for i, s in a["optimizer"]["state"].items():  # the same state, in the same layout
         for key, t in s.items():
             torch.testing.assert_close(b["optimizer"]["state"][i][key], t, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode, world", RANKS)
+def test_ranks_resume_exactly(ranks, tiny_data, tmp_path, mode, world):
+    """Each mode's step-10 checkpoint (the momentum gathered whole), resumed on as many ranks
+    (each taking its part again): steps 10-19 as the run went on, bit for bit."""
+    src = ranks[mode, world]
+    shutil.copy(src / "ckpt_0000010.pt", tmp_path)
+    torchrun(world, muon_args(tiny_data, tmp_path, f"--shard={mode}", "--resume"))
+    ref, _ = read_log(src)
+    got, _ = read_log(tmp_path)
+    assert sorted(got) == list(range(10, STEPS))
+    assert all(got[s] == ref[s] for s in got), mode
 
 
 def test_resume_is_exact_and_refuses_the_other_optimizer(single, tiny_data, tmp_path):

@@ -4,14 +4,15 @@ Per block matrix W (out x in; c_attn, attention c_proj, c_fc, MLP c_proj), with 
 
     m = mu * m + (1 - mu) * g                   momentum (fp32 state "momentum_buffer")
     u = mu * m + (1 - mu) * g                   Nesterov: the step looks one momentum ahead
-    O = orthogonalize(u)                        ~ U V^T of u = U S V^T, in bf16 (below)
+    O = orthogonalize(u)                        ~ U V^T of u = U S V^T, in bf16 (below)*
     W = W * (1 - lr * wd) - lr * sqrt(max(1, out / in)) * O
 
 The scale keeps a tall matrix's update as large per entry as a square one's (O's entries have an
 RMS of about 1 / sqrt(max(out, in)) there). wte (= the tied head), wpe, the LayerNorm gains and
 all biases take torch's AdamW (its functional form: the same state, exp_avg / exp_avg_sq / step)
 at learning_rate; the Muon matrices' peak is muon_lr, and `lr_scale` (muon_lr / learning_rate)
-lets the trainer's one schedule drive both.
+lets the trainer's one schedule drive both. (*) In the run's matmul dtype: bf16 on GPUs, fp32
+in fp32 runs (CPU).
 
 orthogonalize runs five steps of a quintic Newton-Schulz iteration on X = u / |u|_F (the largest
 singular value <= 1), X <- a X + (b A + c A^2) X with A = X X^T (X kept wide: A is the small
@@ -23,9 +24,11 @@ GEMMs); orthogonalize_reference is the same loop in plain torch.
 
 Distributed: `share_across_ranks` (DDP, FSDP2) orthogonalises matrices of one shape as a batch,
 each rank the matrices i with i % W == rank, and one all-gather per shape hands every rank all
-results (bf16), so each rank applies the same update. Under FSDP2 (DTensor shards along dim 0)
-each matrix's u is first gathered whole (bf16; one all-gather, as FSDP2 gathers weights), and
-each rank keeps its rows of O: orthogonalising per shard would change the math. Under ZeRO-1
+results, so each rank applies the same update. Under FSDP2 (DTensor shards along dim 0) each
+matrix's u is first gathered whole (in bf16: half the bytes of FSDP2's fp32 weight gathers),
+then shared out as under DDP, and each rank keeps its rows of O: orthogonalising each shard alone
+would change the math (and the scale), and gathering only to the matrix's owner would need a
+gather and a scatter per matrix instead of one all-gather. Under ZeRO-1
 sharding.py wraps this class in ZeroRedundancyOptimizer: each rank's instance holds only its own
 parameters (and momentum), orthogonalises them alone, and ZeRO broadcasts the new weights.
 """
