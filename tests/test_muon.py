@@ -156,14 +156,23 @@ def test_ranks_train_the_single_process_curve(single, ranks, mode, world):
 @pytest.mark.parametrize("mode, world", RANKS)
 def test_ranks_resume_exactly(ranks, tiny_data, tmp_path, mode, world):
     """Each mode's step-10 checkpoint (the momentum gathered whole), resumed on as many ranks
-    (each taking its part again): steps 10-19 as the run went on, bit for bit."""
+    (each taking its part again): the losses, step-20 weights and optimizer state of the run that
+    went on, bit for bit. Except DDP's all-reduce over 3 gloo ranks (ZeRO-1 here), which sums in
+    an order it does not fix: there the same run twice differs by rounding (~1e-6 in the weights
+    after 10 steps, AdamW's as much)."""
     src = ranks[mode, world]
     shutil.copy(src / "ckpt_0000010.pt", tmp_path)
     torchrun(world, muon_args(tiny_data, tmp_path, f"--shard={mode}", "--resume"))
     ref, _ = read_log(src)
     got, _ = read_log(tmp_path)
     assert sorted(got) == list(range(10, STEPS))
-    assert all(got[s] == ref[s] for s in got), mode
+    exact = (mode, world) != ("optimizer", 3)
+    tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close([got[s] for s in got], [ref[s] for s in got], **tol)
+    a = torch.load(src / "ckpt_0000020.pt", weights_only=True)
+    b = torch.load(tmp_path / "ckpt_0000020.pt", weights_only=True)
+    torch.testing.assert_close(b["model"], a["model"], **tol)
+    torch.testing.assert_close(b["optimizer"]["state"], a["optimizer"]["state"], **tol)
 
 
 def test_resume_is_exact_and_refuses_the_other_optimizer(single, tiny_data, tmp_path):
