@@ -208,7 +208,7 @@ def train_step(run, step, grad_accum, stop, check):
     device, ddp = procs.device, procs.ddp
     lr = get_lr(step, cfg)
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's matrices: muon_lr's schedule
     st = StepStats(device, step, lr)
     loss_sum = torch.zeros((), device=device)
     for micro in range(grad_accum):

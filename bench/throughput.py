@@ -10,9 +10,11 @@ the plain one, or other loss implementations and train.py arguments.
 materialised logits, torch MLP, torch's fused AdamW, fp32 residual stream, compile mode "default";
 the stand-in for nanoGPT's path), "no_graphs" (the defaults without CUDA graphs), "torch" (only the
 loss switched to torch's), "fp8" / "fp8_rowwise" (the defaults with the blocks' GEMMs in FP8,
---fp8=tensorwise / rowwise), "fp8_fused" (--fp8=fused). --repeats runs every (run, impl) that
-many times, interleaved, and the table gives the median, with each impl's ratio to "plain" when
-both ran. A run is model:batch, or model:batch:steps:warmup to override --steps / --warmup.
+--fp8=tensorwise / rowwise), "fp8_fused" (--fp8=fused), "muon" (--optimizer=muon: against
+"default", the optimizer's cost; --profile shows the Newton-Schulz GEMMs' share). --repeats runs
+every (run, impl) that many times, interleaved, and the table gives the median, with each impl's
+ratio to "plain" when both ran. A run is model:batch, or model:batch:steps:warmup to override
+--steps / --warmup.
 
 Each run is a fresh process calling train.main (compiled model, bf16 autocast, fused AdamW, one
 micro-batch per step: total batch = B * 1024) on a shard of uniform random tokens. Reported per
@@ -56,6 +58,7 @@ IMPLS = {"default": [], "plain": PLAIN, "torch": ["--loss_impl='torch'"]}
 IMPLS["no_graphs"] = ["--compile_mode='default'"]  # the defaults without CUDA graphs
 IMPLS |= {"fp8": ["--fp8='tensorwise'"], "fp8_rowwise": ["--fp8='rowwise'"]}
 IMPLS["fp8_fused"] = ["--fp8='fused'"]  # our kernels' casts (gpt2_fused/kernels/mlp_fp8.py)
+IMPLS["muon"] = ["--optimizer='muon'"]  # Muon for the blocks' matrices (core/muon.py)
 
 # Runs inside the child: train, then report peak memory (and the profile when asked).
 CHILD = r"""

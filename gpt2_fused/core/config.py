@@ -68,6 +68,13 @@ class TrainConfig:
     beta1: float = setting(0.9, "AdamW beta1")
     beta2: float = setting(0.95, "AdamW beta2")
     grad_clip: float = setting(1.0, "max global grad norm (0: no clipping)")
+    # "muon" (gpt2_fused/core/muon.py): the blocks' matrices take Muon at muon_lr (the same
+    # warmup and cosine); wte, wpe, gains and biases keep AdamW at learning_rate, on torch's
+    # AdamW whatever adamw_impl says. Defaults as nanochat's and modded-nanogpt's, for 124M-1558M
+    optimizer: str = setting("adamw", '"adamw" or "muon" (Muon for the blocks\' matrices)')
+    muon_lr: float = setting(0.02, "Muon peak learning rate (its update has RMS ~ 1/sqrt(width))")
+    muon_momentum: float = setting(0.95, "Muon Nesterov momentum")
+    muon_weight_decay: float = setting(0.0, "Muon decoupled weight decay (W *= 1 - lr * wd)")
     # a training setting, not the model's: validation losses stay plain cross-entropy
     z_loss: float = setting(0.0, "PaLM's z_loss * lse^2 per token, in the logged train loss too")
     # evaluation and samples (0 disables the interval; val still runs after the last step)
@@ -140,13 +147,14 @@ class TrainConfig:
         """Every value in range, each error one line naming its key (ConfigError); the model's
         own fields are checked by GPTConfig.__post_init__."""
         cfg = self
-        positive = ("learning_rate", "val_tokens")
+        positive = ("learning_rate", "val_tokens", "muon_lr")
         non_negative = (
             "total_batch_size",
             "max_steps",
             "warmup_steps",
             "weight_decay",
             "grad_clip",
+            "muon_weight_decay",
             "eval_interval",
             "sample_interval",
             "sample_tokens",
@@ -170,6 +178,12 @@ class TrainConfig:
         if not (math.isfinite(cfg.z_loss) and cfg.z_loss >= 0):
             raise ConfigError(
                 f"config key 'z_loss' must be a finite number >= 0, got {cfg.z_loss!r}"
+            )
+        if cfg.optimizer not in ("adamw", "muon"):
+            raise ConfigError(f"config key 'optimizer': 'adamw' or 'muon', not {cfg.optimizer!r}")
+        if not 0.0 <= cfg.muon_momentum < 1.0:
+            raise ConfigError(
+                f"config key 'muon_momentum' must be in [0, 1), got {cfg.muon_momentum!r}"
             )
         if cfg.dtype not in ("auto", "bfloat16", "float32"):
             raise ConfigError(f"config key 'dtype': auto, bfloat16 or float32, not {cfg.dtype!r}")

@@ -1,10 +1,13 @@
-"""AdamW for training: its construction, state loading, the clipped step and the LR schedule."""
+"""The optimizer for training (AdamW, or muon.py's Muon): its construction, state loading, the
+clipped step and the LR schedule."""
 
 import math
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from gpt2_fused.core.config import ConfigError
+from gpt2_fused.core.muon import muon_parts
 from gpt2_fused.kernels.adamw import MultiTensorAdamW
 from gpt2_fused.kernels.fast_paths import gpu_runs
 
@@ -27,10 +30,20 @@ def adamw_parts(model, cfg, device):
     return torch.optim.AdamW, groups, dict(kw, fused=device.type == "cuda")
 
 
+def optimizer_parts(model, cfg, device):
+    """(class, param groups, keyword arguments) of cfg.optimizer: adamw_parts or muon_parts."""
+    return (muon_parts if cfg.optimizer == "muon" else adamw_parts)(model, cfg, device)
+
+
 def build_optimizer(model, cfg, device):
-    """The run's AdamW (adamw_parts)."""
-    cls, groups, kw = adamw_parts(model, cfg, device)
+    """The run's optimizer (optimizer_parts)."""
+    cls, groups, kw = optimizer_parts(model, cfg, device)
     return cls(groups, **kw)
+
+
+def _kind(groups):
+    """The optimizer ("muon" or "adamw") these param groups, or a state dict's, belong to."""
+    return "muon" if any(g.get("muon") for g in groups) else "adamw"
 
 
 def local_optimizer(optimizer):
@@ -46,8 +59,16 @@ def load_optimizer_state(optimizer, state, load=None):
     AdamW keeps its step counters on the parameters' device (torch moves them only for fused
     states). Under ZeroRedundancyOptimizer the flags and counters that matter are its local
     optimizer's, which keeps this rank's part of the full state."""
+    saved, mine = _kind(state["param_groups"]), _kind(optimizer.param_groups)
+    if saved != mine:
+        raise ConfigError(
+            f"the checkpoint holds {saved}'s optimizer state, this run uses {mine}: pass "
+            f"--optimizer={saved} to resume it"
+        )
     local = local_optimizer(optimizer)
-    how = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in local.param_groups]
+    # lr_scale: Muon's muon_lr / learning_rate, the run's own (as the LR itself is)
+    keep = ("fused", "foreach", "lr_scale")
+    how = [{k: g[k] for k in keep if k in g} for g in local.param_groups]
     (load or optimizer.load_state_dict)(state)
     if local is not optimizer:
         # the wrapper also loaded this rank's part (on a GPU a second copy), which it never reads

@@ -38,7 +38,13 @@ from torch.distributed.tensor import DTensor
 
 from gpt2_fused.core.compile_guard import KeptGrads, uses_cuda_graphs
 from gpt2_fused.core.config import ConfigError
-from gpt2_fused.core.optim import adamw_parts, build_optimizer, clipped_step, load_optimizer_state
+from gpt2_fused.core.muon import Muon
+from gpt2_fused.core.optim import (
+    build_optimizer,
+    clipped_step,
+    load_optimizer_state,
+    optimizer_parts,
+)
 
 
 def mode(cfg, procs):
@@ -173,8 +179,10 @@ class ZeRO1(DataParallel):
 
     def make_optimizer(self, raw_model, cfg, device):
         """ZeroRedundancyOptimizer around the run's AdamW (the Triton one included: it sees only
-        this rank's parameters)."""
-        cls, groups, kw = adamw_parts(raw_model, cfg, device)
+        this rank's parameters) or Muon (each rank orthogonalises its own matrices alone)."""
+        cls, groups, kw = optimizer_parts(raw_model, cfg, device)
+        if cls is Muon:
+            kw["share_across_ranks"] = False
         _count_parameters_by_their_own_bytes()
         # parameters as views into one bucket per rank: one broadcast per rank, not per tensor
         # (580 at 1558M); the weights move into the buckets, no copy is kept
@@ -202,7 +210,7 @@ class FSDP2(DataParallel):
     def __init__(self, cfg, procs):
         super().__init__(cfg, procs)
         _needs_torchrun(cfg, procs)
-        if procs.device.type == "cuda" and cfg.adamw_impl == "fast":
+        if procs.device.type == "cuda" and cfg.adamw_impl == "fast" and cfg.optimizer == "adamw":
             raise ConfigError(
                 "shard='full' with adamw_impl='fast': the Triton AdamW addresses plain tensors, "
                 "FSDP2's parameters are DTensor shards; pass --adamw_impl=torch (torch's fused "
