@@ -234,6 +234,8 @@ def iter_val_batches(pattern, B, T, rank=0, world_size=1, max_tokens=VAL_TOKENS,
     """
     _check_layout(B, T, rank, world_size)
     files = _shard_paths(pattern)
+    # a pass smaller than one micro-batch (batch_size="auto" may pick 64) takes fewer rows a batch
+    B = max(1, min(B, max_tokens // (T * world_size)))
     step_tokens = B * T * world_size
     steps_left = max_tokens // step_tokens
     per_shard = [(f, (read_header(f) - 1) // step_tokens) for f in files]

@@ -685,9 +685,12 @@ def test_val_budget_split_across_ranks(tmp_path):
     assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again, strict=True))
     with pytest.raises(ValueError, match="hold at most 1000 tokens each, fewer than one valid"):
         list(iter_val_batches(pattern, 10, 100, 0, 1))
-    with pytest.raises(ValueError, match=r"^val_tokens=47 is less than one validation step .*"
-                       r"= 48 tokens: pass --val_tokens=48 or more$"):  # fmt: skip
-        list(iter_val_batches(pattern, B, T, 0, W, max_tokens=47))
+    with pytest.raises(ValueError, match=r"^val_tokens=23 is less than one validation step .*"
+                       r"= 24 tokens: pass --val_tokens=24 or more$"):  # fmt: skip
+        list(iter_val_batches(pattern, B, T, 0, W, max_tokens=23))
+    # a pass smaller than one micro-batch of 4 rows: 50 // (8 * 3) = 2 rows a batch, one step
+    (x, _), *rest = iter_val_batches(pattern, 4, T, 0, W, max_tokens=50)
+    assert x.shape == (2, T) and not rest and torch.equal(x.reshape(-1), torch.from_numpy(val[:16]))
 
 
 def test_val_spans_several_shards(tmp_path):

@@ -265,10 +265,11 @@ def test_wandb_that_cannot_start_is_one_line_and_leaves_no_log(tiny_args, tmp_pa
 
 
 def test_val_tokens_below_one_step_is_a_config_error(tiny_args, tmp_path, capsys):
-    argv = tiny_args + [f"--out_dir={tmp_path / 'out'}", "--val_tokens=100"]  # a step: 4 * 32
+    # less than a micro-batch (4 * 32) takes fewer rows; less than one sequence cannot run
+    argv = tiny_args + [f"--out_dir={tmp_path / 'out'}", "--val_tokens=20"]
     with pytest.raises(SystemExit) as exit_:
         run_main(functools.partial(train.main, argv), train.USER_ERRORS)
     assert exit_.value.code == 2 and capsys.readouterr().err == (
-        "config error: val_tokens=100 is less than one validation step of "
-        "batch_size*block_size*world_size = 4*32*1 = 128 tokens: pass --val_tokens=128 or more\n"
+        "config error: val_tokens=20 is less than one validation step of "
+        "batch_size*block_size*world_size = 1*32*1 = 32 tokens: pass --val_tokens=32 or more\n"
     )
