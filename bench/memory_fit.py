@@ -5,7 +5,7 @@ trains a few steps; the same micro-batch then trains uncapped in the same proces
 gives both tok/s and their ratio.
 
     python -m bench.memory_fit [--recipes 124m,350m,774m,1558m,tinystories]
-        [--cards 12,16,24,40,80] [--steps 8] [--warmup 3] [--out DIR] [--compile] [--cpu]
+        [--cards 12,16,24,40,80] [--steps 16] [--warmup 6] [--out DIR] [--compile] [--cpu]
 
 Every cell is eager (--compile=False): compiling each of the ~40 runs would take about a minute
 apiece, past the ~8 minutes this table may take on one H100, and the probe that picks the
@@ -71,11 +71,13 @@ def train_once(args, cap, steps, warmup, out_dir):
     from gpt2_fused.core.runlog import read_jsonl
 
     for_benchmarks(train)  # checkpoints are empty files
+    cuda = torch.cuda.is_available() and "--device='cpu'" not in args
+    if cuda and cap is not None and cap >= torch.cuda.get_device_properties(0).total_memory / 2**30:
+        cap = None  # an "80 GB" card on an 80 GB H100 (79.6 GiB): the whole card, no cap
     if cap is None:
         os.environ.pop(CAP_ENV, None)
     else:
         os.environ[CAP_ENV] = str(cap)
-    cuda = torch.cuda.is_available() and "--device='cpu'" not in args
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -166,8 +168,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", default=",".join(RECIPES), help=f"of {list(RECIPES)}")
     ap.add_argument("--cards", default="12,16,24,40,80", help="GiB caps (GPT2_FUSED_GPU_GB)")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3, help="steps left out of the tok/s median")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=6, help="steps left out of the tok/s median")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/memory_fit"))
     ap.add_argument("--cpu", action="store_true", help="a tiny model on the CPU: a rehearsal")
     ap.add_argument(
