@@ -83,7 +83,11 @@ class TrainConfig:
     wandb_run_name: str = setting("", "W&B run name")
     # system
     device: str = setting("auto", '"auto", "cpu", "cuda", "cuda:N"')
-    dtype: str = setting("auto", '"auto" (bf16 on CUDA, fp32 on CPU), "bfloat16", "float32"')
+    dtype: str = setting(
+        "auto",
+        '"auto" (bf16 on CUDA, fp16 with a loss scale on GPUs without bf16, fp32 on CPU), '
+        '"bfloat16", "float16", "float32"',
+    )
     compile: bool | None = setting(None, "torch.compile the model (None: on for CUDA)")
     compile_mode: str = setting("auto", 'torch.compile mode: "auto", "default", ...')
     # 1 saves what the partitioner chooses; below 1 the backward recomputes cheap pointwise
@@ -152,8 +156,10 @@ class TrainConfig:
             raise ConfigError(
                 f"config key 'z_loss' must be a finite number >= 0, got {cfg.z_loss!r}"
             )
-        if cfg.dtype not in ("auto", "bfloat16", "float32"):
-            raise ConfigError(f"config key 'dtype': auto, bfloat16 or float32, not {cfg.dtype!r}")
+        if cfg.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ConfigError(
+                f"config key 'dtype': auto, bfloat16, float16 or float32, not {cfg.dtype!r}"
+            )
         if not 0.0 < cfg.activation_memory_budget <= 1.0:
             raise ConfigError(
                 "config key 'activation_memory_budget' must be in (0, 1], "
