@@ -80,8 +80,8 @@ def adamw_kernel(ptrs, numels, wds, block_tensor, block_start, scale_ptr, found_
     bc2_sqrt = sqrt(1 - beta2^t). CASTS: 0 none, 1 bf16, 2 fp16 casts written (row 4).
     SKIPPABLE: nothing is read or written where found_inf_ptr holds a non-zero."""
     t, offs, mask = _locate(block_tensor, block_start, numels, BLOCK, ALIGNED)
-    if SKIPPABLE:
-        mask = mask & (tl.load(found_inf_ptr) == 0)
+    if SKIPPABLE:  # the flag broadcast over the block (a scalar & a block fails interpreted)
+        mask = mask & (tl.zeros([BLOCK], tl.float32) + tl.load(found_inf_ptr) == 0.0)
     p_ptr = _address(ptrs, t, ALIGNED) + offs
     m_ptr = _address(ptrs, 2 * T + t, ALIGNED) + offs
     v_ptr = _address(ptrs, 3 * T + t, ALIGNED) + offs
