@@ -27,8 +27,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="autocast dtype; auto: bfloat16 on a GPU that has it, else float32",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="autocast dtype; auto: bfloat16 on a GPU that has it, float16 on an older one",
     )
     args = p.parse_args(argv)
     if args.limit is not None and args.limit < 1:

@@ -356,10 +356,15 @@ class GPT(nn.Module):
             if self.fused_loss and dtype_runs("loss", compute_dtype(x)):
                 loss_fn, cast = fused_linear_cross_entropy, self.lm_head.kept_casts[0]
                 dev = x.device.type
-                if cast is not None and torch.is_autocast_enabled(dev):
-                    if torch.get_autocast_dtype(dev) == cast.dtype:
-                        kw = dict(weight_cast=cast)
-            return loss_fn(
+                low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+                if cast is not None and low == cast.dtype:
+                    kw = dict(weight_cast=cast)
+                if low == torch.float16:
+                    # it forms the gradients in the forward, before fp16's loss scale reaches
+                    # them: a mean's 1/(B*T) would leave dx (~1e-6) in fp16's subnormals, so
+                    # they are the sum's (~1e-2), and the mean is taken after
+                    kw["reduction"] = "sum"
+            loss = loss_fn(
                 x,
                 self.lm_head.weight,
                 targets,
@@ -368,6 +373,9 @@ class GPT(nn.Module):
                 z_loss=self.z_loss if self.training else 0.0,
                 **kw,
             )
+            if kw.get("reduction") == "sum":  # over the counted targets, as "mean" is
+                loss = loss / (targets != -100).sum().clamp(min=1)
+            return loss
         if not all_positions:
             x = x[:, -1:, :]  # keeps the time dim; a list index would be copied to the device
         return self._logits(x)

@@ -54,6 +54,7 @@ from gpt2_fused.core.config import (
 from gpt2_fused.core.device import fast_path_notes, peak_flops, resolve_dtype
 from gpt2_fused.core.errors import run_main
 from gpt2_fused.core.generate import generate
+from gpt2_fused.core.loss_scale import LossScaler
 from gpt2_fused.core.optim import get_lr
 from gpt2_fused.core.runlog import LogError, RunLog, StepLog, StepStats, device_name, print_start
 from gpt2_fused.core.signals import StopFlag
@@ -78,17 +79,17 @@ class Run:
     optimizer: torch.optim.Optimizer
     loader: DataLoader
     val_glob: str
-    dtype: torch.dtype  # of the matmuls: bf16 under autocast, else fp32
+    dtype: torch.dtype  # of the matmuls: bf16 or fp16 under autocast, else fp32
     print0: callable
     shard: sharding.DataParallel  # the sharding mode's object: DDP, ZeRO-1 or FSDP2
+    scaler: LossScaler  # fp16's loss scale; disabled in other dtypes
     model: torch.nn.Module = None  # evaluates: compiled, or raw_model once a compiled graph failed
     train_model: torch.nn.Module = None  # model, in DDP under torchrun
 
     @property
     def autocast(self):
         # fp32 weights and optimizer state, bf16 matmuls (bench/RESULTS.md#precision)
-        bf16 = self.dtype == torch.bfloat16
-        return torch.autocast(self.procs.device.type, dtype=torch.bfloat16, enabled=bf16)
+        return torch.autocast(self.procs.device.type, self.dtype, self.dtype != torch.float32)
 
 
 def every(step, interval):
@@ -150,6 +151,7 @@ def save(run, step, val_loss):
         "loader": run.loader.state_dict(),  # the same on every rank
         "rng": {k: [r[k] for r in rngs] for k in rngs[0]},  # lists by rank
         "val_loss": val_loss,
+        **run.scaler.checkpoint(),  # fp16's loss scale, else nothing
     }
     t0 = time.perf_counter()
     path = save_checkpoint(ckpt, cfg.out_dir, step, cfg.keep_last)
@@ -226,19 +228,19 @@ def train_step(run, step, grad_accum, stop, check):
             loss = run.train_model(x, y) / grad_accum
         if checking:
             first_loss = loss.detach() * grad_accum
-        run.shard.backward(loss, first=micro == 0)
+        run.shard.backward(run.scaler.scaled(loss), first=micro == 0)
         loss_sum += loss.detach()
     if check:  # before the update: a wrong graph must not touch the weights
         check_training_step(first_loss, eager_loss, ddp, step)
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    norm = run.shard.step(optimizer, run.raw_model, max_norm)
+    norm = run.shard.step(optimizer, run.raw_model, cfg.grad_clip or float("inf"), run.scaler)
     fp8.after_optimizer_step(run.raw_model, cfg.fp8, run.shard.fully_sharded)
     run.shard.zero_grad(optimizer)
     # torch.full, not torch.tensor: a host-to-device copy of a Python number would sync
     stats = torch.stack([loss_sum, torch.full((), float(stop.requested), device=device)])
     if ddp:
         dist.all_reduce(stats)  # loss summed over ranks; a stop on any rank stops all
-    st.finish(torch.cat([stats, norm.reshape(1).to(stats.dtype)]))
+    st.finish(torch.cat([stats, torch.stack([norm.float(), *run.scaler.stats()])]))
+    run.scaler.update()
     return st
 
 
@@ -248,13 +250,10 @@ def evaluate_and_log(run, step, run_log):
     val_loss = evaluate(run, run.model)
     rec, msg = {"step": step, "val_loss": val_loss}, f"val loss {val_loss:.6f}"
     if cfg.hellaswag:  # raw_model: varying row lengths would recompile a compiled one
+        low = None if run.dtype == torch.float32 else run.dtype  # autocast's
+        path = cfg.hellaswag_path or str(hellaswag.DEFAULT_PATH)
         hs = hellaswag.evaluate(
-            run.raw_model,
-            cfg.hellaswag_path or str(hellaswag.DEFAULT_PATH),
-            procs.device,
-            procs.rank,
-            procs.world_size,
-            autocast_dtype=torch.bfloat16 if run.dtype == torch.bfloat16 else None,
+            run.raw_model, path, procs.device, procs.rank, procs.world_size, autocast_dtype=low
         )
         rec["hellaswag_acc_norm"] = hs["acc_norm"]
         msg += f" | hellaswag acc_norm {hs['acc_norm']:.4f}"
@@ -294,6 +293,7 @@ def main(argv=None, train_loader=DataLoader):
         # --- set-up: model, optimizer, micro-batch, data, the newest checkpoint when resuming
         card = memory.apply_cap(device)  # GPT2_FUSED_GPU_GB: a smaller card, simulated
         dtype = resolve_dtype(cfg.dtype, device)
+        scaler = LossScaler.for_run(cfg, dtype, device)  # fp16's; a ConfigError where it cannot
         use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
         torch.manual_seed(cfg.seed + rank)  # per rank, so dropout masks differ across ranks
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -318,7 +318,7 @@ def main(argv=None, train_loader=DataLoader):
         bucketed = procs.ddp and not sharding.graphs_fit(cfg)  # DDP's or FSDP2's all-reduces
         cfg.compile_mode = pick_mode(cfg.compile_mode, device, bucketed, per_layer)  # "auto"
         loader, train_glob, val_glob = open_data(cfg, train_loader, procs)
-        run = Run(cfg, procs, raw_model, optimizer, loader, val_glob, dtype, print0, shard)
+        run = Run(cfg, procs, raw_model, optimizer, loader, val_glob, dtype, print0, shard, scaler)
         start_step = 0
         if train_loader is not DataLoader:
             notes.append(f"train batches from {train_loader.__name__}, not data.loader.DataLoader")

@@ -228,14 +228,17 @@ def build(fn, sig, aligned, **more):
 
 tables = dict(ptrs="*i64", numels="*i64")
 blocks = dict(block_tensor="*i32", block_start="*i64")
-step = dict(tables, wds="*fp32", **blocks, scale_ptr="*fp32", T="i32",
+step = dict(tables, wds="*fp32", **blocks, scale_ptr="*fp32", found_inf_ptr="*fp32", T="i32",
             **{k: "fp32" for k in ("lr", "beta1", "beta2", "eps", "step_size", "bc2_sqrt")})
 norm = dict(tables, **blocks, partial="*fp32", T="i32")
 casts = dict(INTERPRETED=False)
 print(json.dumps({f"{name} {aligned}": build(fn, sig, aligned, **more)
                   for name, fn, sig, more in (
-                      ("adamw", adamw.adamw_kernel, step, dict(casts, CASTS=0)),
-                      ("adamw bf16 casts", adamw.adamw_kernel, step, dict(casts, CASTS=1)),
+                      ("adamw", adamw.adamw_kernel, step, dict(casts, CASTS=0, SKIPPABLE=False)),
+                      ("adamw bf16 casts", adamw.adamw_kernel, step,
+                       dict(casts, CASTS=1, SKIPPABLE=False)),
+                      ("adamw fp16 casts skippable", adamw.adamw_kernel, step,
+                       dict(casts, CASTS=2, SKIPPABLE=True)),
                       ("sumsq", adamw.sumsq_kernel, norm, {}))
                   for aligned in (True, False)}))
 """
@@ -250,6 +253,8 @@ def test_adamw_kernels_compile_with_16_byte_accesses():
         "adamw False": [0, 0, 0, 0],
         "adamw bf16 casts True": [16, 0, 12, 4],  # + 16 bf16 a thread, in fp32's 4-element runs
         "adamw bf16 casts False": [0, 0, 0, 0],
+        "adamw fp16 casts skippable True": [16, 0, 12, 4],  # found_inf masks, not narrows
+        "adamw fp16 casts skippable False": [0, 0, 0, 0],
         "sumsq True": [4, 0, 0, 0],
         "sumsq False": [0, 0, 0, 0],
     }

@@ -101,7 +101,11 @@ class TrainConfig:
     wandb_run_name: str = setting("", "W&B run name")
     # system
     device: str = setting("auto", '"auto", "cpu", "cuda", "cuda:N"')
-    dtype: str = setting("auto", '"auto" (bf16 on CUDA, fp32 on CPU), "bfloat16", "float32"')
+    dtype: str = setting(
+        "auto",
+        '"auto" (bf16 on CUDA, fp16 with a loss scale on GPUs without bf16, fp32 on CPU), '
+        '"bfloat16", "float16", "float32"',
+    )
     compile: bool | None = setting(None, "torch.compile the model (None: on for CUDA)")
     # "auto" is replaced by its pick at start-up (compile_guard.pick_mode): the printed config
     # and the checkpoint's show the mode that ran
@@ -185,8 +189,10 @@ class TrainConfig:
             raise ConfigError(
                 f"config key 'muon_momentum' must be in [0, 1), got {cfg.muon_momentum!r}"
             )
-        if cfg.dtype not in ("auto", "bfloat16", "float32"):
-            raise ConfigError(f"config key 'dtype': auto, bfloat16 or float32, not {cfg.dtype!r}")
+        if cfg.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ConfigError(
+                f"config key 'dtype': auto, bfloat16, float16 or float32, not {cfg.dtype!r}"
+            )
         if not 0.0 < cfg.activation_memory_budget <= 1.0:
             raise ConfigError(
                 "config key 'activation_memory_budget' must be in (0, 1], "

@@ -31,11 +31,21 @@ def pick_device(name="auto"):
 
 
 def resolve_dtype(name, device):
-    """dtype name -> torch dtype; "auto" is bfloat16 on a GPU that supports it, else float32."""
-    if name == "auto":
-        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if cuda_bf16 else torch.float32
-    return DTYPES[name]
+    """dtype name -> torch dtype; "auto" is bfloat16 on a GPU that computes in it natively
+    (sm_80 and later), float16 on an older GPU (T4, V100: tensor cores in fp16 only; the run
+    then scales its loss, core/loss_scale.py), float32 on a CPU."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if native_bf16(device) else torch.float16
+
+
+def native_bf16(device):
+    """Whether this GPU computes in bf16 itself: sm_80 and later, and ROCm's. (torch's
+    is_bf16_supported() also says True where bf16 is only emulated, unless
+    including_emulation=False: a T4 or V100 runs it at fp32 speed, without tensor cores.)"""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 # Dense peak FLOP/s (vendor spec sheets and whitepapers, no sparsity) by GPU: (key, bf16, fp16,

@@ -83,15 +83,18 @@ def load_optimizer_state(optimizer, state, load=None):
                 local.state[p]["step"] = step.to(dtype=torch.float32, device=p.device)
 
 
-def clipped_step(optimizer, params, max_norm):
+def clipped_step(optimizer, params, max_norm, scaler=None):
     """clip_grad_norm_(params, max_norm), then optimizer.step(); returns the total grad norm
     before clipping (a device scalar: no host sync). params: the optimizer's parameters, in the
     model's order (the norm's summation order, so the plain path is bitwise what it was).
+    scaler: an fp16 run's loss_scale.LossScaler (the grads are scaled by it; a step with an inf
+    or a nan among them is skipped), or None.
 
     A fused AdamW divides each grad by `optimizer.grad_scale` (a device tensor; the hook
     GradScaler uses) as it reads it, so there the clip factor rides along: the grads are read
     once for the norm and once by the update, instead of also being scaled in place in between
-    (4 of 40 bytes per parameter fewer; bench/bench_adamw.py times both). The grads left behind
+    (4 of 40 bytes per parameter fewer; bench/bench_adamw.py times both). The loss scale rides
+    along too, and `optimizer.found_inf` skips the update on the device. The grads left behind
     are the clipped ones (MultiTensorAdamW leaves them unclipped: 4 bytes fewer again).
     Non-fused optimizers (CPU) take the plain path. Under ZeroRedundancyOptimizer the grads are
     whole on every rank (DDP all-reduced them), so the norm over params is the global one (its
@@ -99,17 +102,39 @@ def clipped_step(optimizer, params, max_norm):
     the local optimizer, which runs the update."""
     params = list(params)
     local = local_optimizer(optimizer)
+    scaled = scaler is not None and scaler.enabled
     if local is optimizer and isinstance(optimizer, MultiTensorAdamW):  # the norm in one launch
         norm = optimizer.total_norm()
     elif isinstance(local, MultiTensorAdamW) or all(g.get("fused") for g in local.param_groups):
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    elif scaled:
+        return _unfused_scaled_step(optimizer, params, max_norm, scaler)
     else:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         optimizer.step()
         return norm
     # clip_grad_norm_ multiplies by min(max_norm / (norm + 1e-6), 1); the kernel divides by
     # the inverse (within an ulp of it; a non-finite norm poisons the step the same way)
+    if scaled:
+        norm = scaler.check(norm)  # the unscaled norm
+        local.found_inf = scaler.found_inf
     local.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+    if scaled:
+        local.grad_scale *= scaler.scale
+    optimizer.step()
+    return norm
+
+
+def _unfused_scaled_step(optimizer, params, max_norm, scaler):
+    """clipped_step for an unfused AdamW (on a CPU) under a loss scale: it takes no grad_scale
+    or found_inf, so the grads are unscaled and clipped in place, and a step with an inf or a nan
+    is skipped on the host's reading of found_inf (a CPU has nothing to overlap it with)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = scaler.check(torch.nn.utils.get_total_norm(grads))
+    if scaler.found_inf.item():
+        return norm
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0) / scaler.scale
+    torch._foreach_mul_(grads, coef)
     optimizer.step()
     return norm
 

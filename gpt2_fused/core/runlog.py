@@ -16,7 +16,8 @@ from gpt2_fused.core.jsonl import read_jsonl
 
 
 class StepStats:
-    """One step's (loss, stop flag, grad norm), read back one step late.
+    """One step's (loss, stop flag, grad norm), and under fp16 (skipped, steps skipped so far,
+    loss scale), read back one step late.
 
     Reading them at once (.item()) makes the host wait for the GPU at the end of every step, and
     the GPU then idles while the host launches the next one. Instead the numbers go to pinned
@@ -61,13 +62,17 @@ def format_step(rec, max_steps):
     )
     if rec.get("mfu") is not None:
         line += f" | MFU {100 * rec['mfu']:.1f}%"
+    if "loss_scale" in rec:  # fp16: a step with inf or nan grads is skipped, not applied
+        line += f" | scale {rec['loss_scale']:g} | skipped {rec['skipped_steps']}"
+        line += " (this one)" if rec["skipped"] else ""
     return line
 
 
 class StepLog:
     """Logs finished steps one step late: push(st) after a step is queued reads the one before;
     flush() reads the last one now (before an eval or checkpoint, which may stop the run). Both
-    return whether any rank asked to stop. A non-finite loss or norm stops the run. On a CPU,
+    return whether any rank asked to stop. A non-finite loss or norm stops the run, but for the
+    norm of a step that fp16's loss scale skipped (loss_scale.py). On a CPU,
     where a step has finished when push() gets it, push() reads it at once."""
 
     def __init__(
@@ -99,9 +104,10 @@ class StepLog:
         return stop
 
     def _report(self, st, since):
-        (loss, stop, norm), dt = st.read(since)
+        (loss, stop, norm, *scaling), dt = st.read(since)
         loss /= self.world_size  # summed over ranks
-        if not (math.isfinite(loss) and math.isfinite(norm)):
+        skipped = bool(scaling) and scaling[0] > 0
+        if not (math.isfinite(loss) and (math.isfinite(norm) or skipped)):
             raise SystemExit(
                 f"error: step {st.step}: loss {loss}, grad norm {norm}: not finite. "
                 f"Stopped without saving; {newest_note(self.out_dir)}. Try a lower "
@@ -117,6 +123,8 @@ class StepLog:
             "tok_per_s": self.tokens / dt,
             "mfu": mfu,
         }
+        if scaling:
+            rec.update(skipped=skipped, skipped_steps=int(scaling[1]), loss_scale=scaling[2])
         self.print0(format_step(rec, self.max_steps))
         if st.step == self.warm_step:
             rec["startup_s"] = time.perf_counter() - self.launched

@@ -128,9 +128,10 @@ class DataParallel:
         else:
             self.kept.backward(loss, first)
 
-    def step(self, optimizer, raw_model, max_norm):
+    def step(self, optimizer, raw_model, max_norm, scaler=None):
         """Clip to max_norm by the global grad norm, update; returns that norm (device scalar).
-        With sync_at_step's buffer, the ranks' mean grads first (as DDP's)."""
+        With sync_at_step's buffer, the ranks' mean grads first (as DDP's). scaler: fp16's loss
+        scale (optim.clipped_step), or None."""
         if self.summed:
             flat = self.kept.flat
             if dist.get_backend() == "nccl":
@@ -138,7 +139,7 @@ class DataParallel:
             else:  # gloo has no AVG
                 dist.all_reduce(flat)
                 flat.div_(dist.get_world_size())
-        return clipped_step(optimizer, raw_model.parameters(), max_norm)
+        return clipped_step(optimizer, raw_model.parameters(), max_norm, scaler)
 
     def zero_grad(self, optimizer):
         """After the update: kept grads made ready for the next step (KeptGrads.zero), others
@@ -258,9 +259,10 @@ class FSDP2(DataParallel):
         raw_model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
-    def step(self, optimizer, raw_model, max_norm):
+    def step(self, optimizer, raw_model, max_norm, scaler=None):
         """clip_grad_norm_ over the DTensor grads all-reduces the shards' squared sums; the
-        in-place clip reads only this rank's 1/W of the grads."""
+        in-place clip reads only this rank's 1/W of the grads. No loss scale: float16 is refused
+        with shard='full' (loss_scale.LossScaler.for_run)."""
         norm = torch.nn.utils.clip_grad_norm_(list(raw_model.parameters()), max_norm)
         optimizer.step()
         return norm.full_tensor() if isinstance(norm, DTensor) else norm

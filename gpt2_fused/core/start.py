@@ -182,6 +182,7 @@ def resume(run, start, notes):
     """Load the checkpoint's weights, optimizer, data position and RNG; returns its step."""
     cfg, procs, ckpt = run.cfg, run.procs, start.ckpt
     run.shard.load_state(run.raw_model, run.optimizer, ckpt)  # each rank keeps its part
+    run.scaler.resume(ckpt, notes)  # fp16's loss scale (notes say what a dtype change does)
     note = run.loader.load_state_dict(ckpt["loader"])  # one position for all ranks, any W
     step = ckpt["step"]
     notes.append(f"resumed from {start.path} at step {step}")

@@ -17,6 +17,9 @@ Per parameter (fp32 throughout; torch's fused AdamW's order of operations):
     p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 Bytes per parameter: 28 (reads p g m v, writes p m v); the grads are not written back (torch's
 fused step with grad_scale stores the scaled grads). total_norm reads the grads once more (4).
+`found_inf` (a device scalar, as torch's fused AdamW takes it from GradScaler) skips the update
+where it is non-zero: fp16's loss scaling, gpt2_fused/core/loss_scale.py. Unlike torch's, the step
+count t still advances on a skipped step (it is a host number; taking it back would read the GPU).
 `casts` (param -> a bf16/fp16 tensor of its shape) adds a fifth row of addresses: the kernel
 also writes p's cast to the compute dtype there (2 bytes), the copy the forward's matmuls read
 instead of casting the weight every micro-batch (6 bytes; gpt2_fused/core/weight_casts.py).
@@ -69,13 +72,16 @@ def sumsq_kernel(ptrs, numels, block_tensor, block_start, partial, T, BLOCK: tl.
 
 
 @triton.jit
-def adamw_kernel(ptrs, numels, wds, block_tensor, block_start, scale_ptr, T, lr, beta1,
-                  beta2, eps, step_size, bc2_sqrt, BLOCK: tl.constexpr,
-                  ALIGNED: tl.constexpr, CASTS: tl.constexpr,
+def adamw_kernel(ptrs, numels, wds, block_tensor, block_start, scale_ptr, found_inf_ptr, T, lr,
+                  beta1, beta2, eps, step_size, bc2_sqrt, BLOCK: tl.constexpr,
+                  ALIGNED: tl.constexpr, CASTS: tl.constexpr, SKIPPABLE: tl.constexpr,
                   INTERPRETED: tl.constexpr):  # fmt: skip
     """One AdamW update of one block (module docstring); step_size = lr / (1 - beta1^t),
-    bc2_sqrt = sqrt(1 - beta2^t). CASTS: 0 none, 1 bf16, 2 fp16 casts written (row 4)."""
+    bc2_sqrt = sqrt(1 - beta2^t). CASTS: 0 none, 1 bf16, 2 fp16 casts written (row 4).
+    SKIPPABLE: nothing is read or written where found_inf_ptr holds a non-zero."""
     t, offs, mask = _locate(block_tensor, block_start, numels, BLOCK, ALIGNED)
+    if SKIPPABLE:  # the flag broadcast over the block (a scalar & a block fails interpreted)
+        mask = mask & (tl.zeros([BLOCK], tl.float32) + tl.load(found_inf_ptr) == 0.0)
     p_ptr = _address(ptrs, t, ALIGNED) + offs
     m_ptr = _address(ptrs, 2 * T + t, ALIGNED) + offs
     v_ptr = _address(ptrs, 3 * T + t, ALIGNED) + offs
@@ -114,12 +120,13 @@ class MultiTensorAdamW(torch.optim.Optimizer):
 
     Takes what AdamW takes, but lr, betas and eps must be the same in every group (weight decay
     may differ). `grad_scale`, when set to a device scalar, divides every grad (the clip; as
-    torch's fused AdamW's grad_scale). Parameters must be fp32, on one device, dense grads;
+    torch's fused AdamW's grad_scale). `found_inf`, a device scalar, skips the step where it is
+    non-zero (module docstring). Parameters must be fp32, on one device, dense grads;
     those without a grad are skipped, as AdamW skips them. Not for amsgrad/maximize."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.grad_scale = None
+        self.grad_scale = self.found_inf = None
         self.casts = {}  # param -> its cast to the compute dtype, written each step (set_casts)
         self._blocks = {}  # (numel, ...) -> (block_tensor, block_start) on the device
         self._tables = None  # (key of addresses, ptrs, numels, wds, aligned) of the last step
@@ -240,11 +247,14 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         scale = self.grad_scale
         if scale is None:
             scale = torch.ones((), device=ptrs.device)
+        found_inf = self.found_inf
         adamw_kernel[(block_tensor.numel(),)](
-            ptrs, numels, wds, block_tensor, block_start, scale, len(live), lr, beta1, beta2,
-            eps, lr / (1 - beta1**t), (1 - beta2**t) ** 0.5, BLOCK=BLOCK, ALIGNED=aligned,
+            ptrs, numels, wds, block_tensor, block_start, scale,
+            scale if found_inf is None else found_inf, len(live), lr, beta1, beta2, eps,
+            lr / (1 - beta1**t), (1 - beta2**t) ** 0.5, BLOCK=BLOCK, ALIGNED=aligned,
             CASTS=CAST_CODES[next(iter(self.casts.values())).dtype] if self.casts else 0,
-            INTERPRETED=ptrs.device.type != "cuda", num_warps=NUM_WARPS,
+            SKIPPABLE=found_inf is not None, INTERPRETED=ptrs.device.type != "cuda",
+            num_warps=NUM_WARPS,
         )  # fmt: skip
         return loss
 
