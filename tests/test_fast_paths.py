@@ -49,7 +49,7 @@ def test_forced_capability_is_what_every_check_reports(force):
     [
         ("9.0", torch.bfloat16, None),
         ("8.0", torch.bfloat16, "fast paths off on sm_80 in bfloat16: loss epilogue (needs sm_9x;"),
-        ("8.9", torch.float16, "loss (needs bfloat16/float32; the torch loss (full logits))"),
+        ("8.9", torch.float16, "fast paths off on sm_89 in float16: loss epilogue (needs sm_9x;"),
         ("7.5", torch.float16, "mlp (needs sm_80+; F.linear + F.gelu), attention (needs sm_9x;"),
         ("9.0", torch.float32, "mlp (needs bfloat16/float16; F.linear + F.gelu)"),
     ],
@@ -90,15 +90,17 @@ def test_model_takes_the_paths_the_gpu_runs(force, monkeypatch, cc, on):
     assert m.fused_loss == on and block.use_gemv == on and block.mlp.use_cublaslt == on
 
 
-@pytest.mark.parametrize("dtype, fused", [(torch.bfloat16, True), (torch.float16, False)])
-def test_fp16_autocast_takes_the_torch_loss(monkeypatch, dtype, fused):
-    """The fused loss under bf16 autocast, the torch loss under fp16 autocast (FAST_PATHS),
-    decided from the autocast dtype at each call."""
+@pytest.mark.parametrize("dtype, reduction", [(torch.bfloat16, None), (torch.float16, "sum")])
+def test_fp16_autocast_asks_the_fused_loss_for_the_sums_gradients(monkeypatch, dtype, reduction):
+    """The fused loss under bf16 and fp16 autocast (FAST_PATHS); under fp16 the model asks it
+    for the sum (gradients ~1 rather than ~1/tokens, test below) and divides by the count."""
     seen = []
 
     def fused_loss(*args, **kw):
-        seen.append("fused")
-        return model_module.linear_cross_entropy_reference(*args)
+        seen.append(kw.get("reduction"))
+        return model_module.linear_cross_entropy_reference(
+            *args, reduction=kw.get("reduction", "mean")
+        )
 
     monkeypatch.setattr(model_module, "fused_linear_cross_entropy", fused_loss)
     m = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64,
@@ -106,24 +108,27 @@ def test_fp16_autocast_takes_the_torch_loss(monkeypatch, dtype, fused):
     idx = torch.randint(0, 64, (2, 16))
     with torch.autocast("cpu", dtype=dtype):
         loss = m(idx, idx)
-    assert torch.isfinite(loss) and seen == (["fused"] if fused else [])
+    m.config.loss_impl = "torch"
+    m.fused_loss = False
+    with torch.autocast("cpu", dtype=dtype):
+        ref = m(idx, idx)
+    assert seen == [reduction] and torch.allclose(loss.float(), ref.float(), rtol=1e-3)
 
 
 def test_fused_loss_gradient_underflows_in_fp16():
-    """Why FAST_PATHS keeps the fused loss off fp16: it forms G = g (softmax - onehot) in the
-    forward with g = 1/tokens (no loss scale yet) and rounds it to the compute dtype. At a flat
-    softmax over 512 columns and g = 1/65536 (a 64K-token micro-batch) each softmax entry of G is
-    3e-8, half fp16's least subnormal step: the gradient of the non-target rows of dw is lost in
-    fp16 and within bf16's rounding in bf16. Against fp64 on the same inputs, in the interpreter;
-    should this ever pass for fp16, the table may let fp16 in."""
+    """Why the model asks the fused loss for the sum's gradients under fp16: it forms
+    G = g (softmax - onehot) in the forward with g = 1/tokens for a mean (no loss scale yet) and
+    rounds it to the compute dtype. At a flat softmax over 512 columns and g = 1/65536 (a
+    64K-token micro-batch) each softmax entry of G is 3e-8, half fp16's least subnormal step: the
+    gradient of the non-target rows of dw is lost in fp16, within bf16's rounding in bf16. With
+    the sum's g = 1, fp16 keeps it as bf16 does. Against fp64 on the same inputs, interpreted."""
     torch.manual_seed(0)
     N, D, V = 8, 16, 512
     x, w = torch.randn(N, D), torch.randn(V, D) * 1e-3  # logits ~1e-3: p ~ 1 / V
     y = torch.randint(0, 8, (N,))  # targets among the first 8 rows: the rest is softmax only
-    g = 1.0 / 65536
     errors = {}
-    for dt in (torch.bfloat16, torch.float16):
-        xd, wd = x.to(dt), w.to(dt)
+    for dt, g in ((torch.bfloat16, 1 / 65536), (torch.float16, 1 / 65536), ("sum", 1.0)):
+        xd, wd = (x.half(), w.half()) if dt == "sum" else (x.to(dt), w.to(dt))
         *_, dw, _ = fl.lce_pass(xd, wd, y, torch.full((1,), g), ignore_index=-100, vocab_size=V,
                                 want_grad=True, g_per_row=False)  # fmt: skip
         p = (xd.double() @ wd.double().T).softmax(-1)
@@ -131,7 +136,7 @@ def test_fused_loss_gradient_underflows_in_fp16():
         ref = (g * p).T @ xd.double()
         rest = slice(8, V)
         errors[dt] = ((dw[rest].double() - ref[rest]).norm() / ref[rest].norm()).item()
-    assert errors[torch.bfloat16] < 0.02, errors
+    assert errors[torch.bfloat16] < 0.02 and errors["sum"] < 0.02, errors
     assert errors[torch.float16] > 0.5, errors
 
 

@@ -234,8 +234,10 @@ def test_gpu_fused_loss_gradients_in_fp16_are_not_subnormal():
     model asks it for the sum's gradients, so at 16,384 rows (a mean's dx ~1e-6, in fp16's
     subnormals) the weights' grads (scaled by 1024, then unscaled) stay within 1e-2 of float64
     torch's, as bf16's do."""
+    from gpt2_fused.kernels.fast_paths import dtype_runs
     from model import GPT, GPTConfig
 
+    assert dtype_runs("loss", torch.float16)  # the fused loss, not its torch twin, is under test
     torch.manual_seed(0)
     shape = dict(n_layer=1, n_head=2, n_embd=64, block_size=1024, vocab_size=512)
     fused = GPT(GPTConfig(**shape, padded_vocab_size=512, loss_impl="fast")).cuda()

@@ -14,12 +14,13 @@ Why each bound:
 - The loss's logits-GEMM epilogue (fused_loss/exp_gemm.py): TMA, wgmma and 225 KB of shared memory
   a block, Hopper only; else the cuBLAS GEMM and the row kernel, still the fused loss.
 - attention: cuDNN's fused attention, tuned and tested on Hopper only.
-- fp16: the fused loss forms its gradient G = (softmax - onehot) / tokens in the forward, before
-  the loss scale multiplies it in, so in fp16 a probability below ~1e-3 at 16K tokens a
-  micro-batch falls under fp16's least subnormal step (6e-8) and is lost
-  (tests/test_fast_paths.py); bf16 has fp32's range. The epilogue's E reaches e^60, past fp16
-  (linear_cross_entropy.use_single_read). The other paths take fp16 as torch's ops do (their
-  GEMMs accumulate in fp32, the upstream gradient arrives scaled).
+- fp16: the fused loss forms its gradient G = g (softmax - onehot) in the forward, before the
+  loss scale multiplies it in; with a mean's g = 1/tokens a probability below ~1e-3 at 16K tokens
+  a micro-batch would fall under fp16's least subnormal step (6e-8), so under fp16 autocast the
+  model asks it for the sum's gradients (g = 1) and takes the mean after (model.GPT.forward;
+  tests/test_fast_paths.py). The epilogue's E reaches e^60, past fp16
+  (linear_cross_entropy.use_single_read): bf16 only. The other paths take fp16 as torch's ops do
+  (their GEMMs accumulate in fp32, the upstream gradient arrives scaled).
 - fp8 (--fp8, gpt2_fused/core/fp8.py): FP8 tensor cores, sm_89 and later; a run that asks for it
   on an older GPU stops with one line instead of falling back.
 """
@@ -43,7 +44,7 @@ class Needs:
 
 # name -> Needs; the names are what notice() prints
 FAST_PATHS = {
-    "loss": Needs((8, 0), None, (BF16, FP32), "the torch loss (full logits)"),
+    "loss": Needs((8, 0), None, (BF16, FP16, FP32), "the torch loss (full logits)"),
     "loss epilogue": Needs((9, 0), (10, 0), (BF16,), "cuBLAS logits GEMM + row kernel"),
     "mlp": Needs((8, 0), None, (BF16, FP16), "F.linear + F.gelu"),
     "attention": Needs((9, 0), (10, 0), (BF16, FP16), "F.linear + F.scaled_dot_product_attention"),
