@@ -7,7 +7,7 @@
 # Run:  torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m_fineweb_muon.py
 dataset = "data/cache/fineweb10B"
 model = "gpt2"  # 12 layers, 12 heads, 768 wide, block 1024
-batch_size = 64  # micro-batch per GPU; halve it on a smaller GPU, grad accumulation makes up
+batch_size = "auto"  # the largest micro-batch that fits the GPU (gpt2_fused/core/memory.py)
 total_batch_size = 524288  # 2**19 tokens per optimizer step
 max_steps = 14184  # 18,865 / 1.33 (above)
 optimizer = "muon"

@@ -196,11 +196,12 @@ out["colsum_partial"] = build(colsum.partial_sums_kernel, dict(a_ptr="*bf16", b_
                                    THREE=True), num_warps=cs["num_warps"])
 out["colsum_finish"] = build(colsum.finish_kernel, dict(part_ptr="*fp32", out_ptr="*fp32",
                              P="i32", N="i32"), dict(BP=16, BN=256))  # row_sum's widest
+scalars = ("lr", "beta1", "beta2", "eps", "step_size", "bc2_sqrt")
 step = dict(ptrs="*i64", numels="*i64", wds="*fp32", block_tensor="*i32", block_start="*i64",
-            scale_ptr="*fp32", T="i32") | {k: "fp32" for k in ("lr", "beta1", "beta2", "eps",
-                                                                "step_size", "bc2_sqrt")}
-out["adamw"] = build(adamw.adamw_kernel, step, dict(BLOCK=adamw.BLOCK, ALIGNED=True, CASTS=1,
-                     INTERPRETED=False), num_warps=adamw.NUM_WARPS)
+            scale_ptr="*fp32", found_inf_ptr="*fp32", T="i32") | {k: "fp32" for k in scalars}
+for name, casts, skippable in (("adamw", 1, False), ("adamw fp16", 2, True)):
+    out[name] = build(adamw.adamw_kernel, step, dict(BLOCK=adamw.BLOCK, ALIGNED=True, CASTS=casts,
+                      SKIPPABLE=skippable, INTERPRETED=False), num_warps=adamw.NUM_WARPS)
 out["sumsq"] = build(adamw.sumsq_kernel, dict(ptrs="*i64", numels="*i64", block_tensor="*i32",
                      block_start="*i64", partial="*fp32", T="i32"),
                      dict(BLOCK=adamw.BLOCK, ALIGNED=True), num_warps=adamw.NUM_WARPS)
@@ -223,7 +224,7 @@ SHARED_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024}
 @pytest.mark.parametrize("cc", sorted(SHARED_PER_BLOCK))
 def test_triton_kernels_fit_the_shared_memory_of_ampere_cards(cc):
     got = compile_for_sm90(SHARED.replace("sys.argv[1]", str(cc)))
-    assert len(got) == 12
+    assert len(got) == 13
     for name, (shared, threads) in got.items():
         assert shared <= SHARED_PER_BLOCK[cc] and threads <= 1024, (cc, name, shared, threads)
 

@@ -27,7 +27,7 @@ def _compiled_grads(model, idx, enabled, monkeypatch, autocast=False):
     model.zero_grad(set_to_none=True)
     torch._dynamo.reset()
     compiled = torch.compile(model)
-    cfg = config.TrainConfig(tied_grad_scatter=enabled)
+    cfg = config.TrainConfig(tied_grad_scatter=enabled, batch_size=8)
     with compile_guard.compiler_settings(cfg), inductor_config.patch(force_disable_caches=True):
         with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = compiled(idx, idx)
