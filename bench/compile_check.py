@@ -150,7 +150,9 @@ def main():
         if o["trainer"]:
             from gpt2_fused.core import compile_guard, config
 
-            settings.enter_context(compile_guard.compiler_settings(config.TrainConfig()))
+            trainer = config.TrainConfig(batch_size=args.batch)  # not "auto": the rows it runs
+            trainer.model = model.config
+            settings.enter_context(compile_guard.compiler_settings(trainer))
         for n, m in dropouts.items():  # put back, or swapped for Identity
             set_submodule(model, n, torch.nn.Identity() if o["nodrop"] else m)
         t0 = time.perf_counter()
