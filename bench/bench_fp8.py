@@ -131,7 +131,7 @@ def child(args, name):
     v = VARIANTS[name]
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = load_config([f"--model='{args.preset}'"])
+    cfg = load_config([f"--model='{args.preset}'", f"--batch_size={args.batch}"])  # not "auto"
     overrides = dict(n_layer=args.n_layer, **(PLAIN if v.get("plain") else {}))
     for item in filter(None, args.sizes.split(",")):  # a CPU rehearsal's tiny sizes
         key, value = item.split("=")

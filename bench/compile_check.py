@@ -34,9 +34,17 @@ import time
 import torch
 
 from gpt2_fused.core.compile_cache import use_keyed_cache
+from gpt2_fused.kernels.fast_paths import gpu_runs
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def use_loss(model, impl):
+    """Switch the model's loss to `impl`: GPT's forward reads fused_loss, set at construction
+    from config.loss_impl (model.py), so both change together."""
+    model.config.loss_impl = impl
+    model.fused_loss = impl == "fast" and (not torch.cuda.is_available() or gpu_runs("loss"))
 
 
 def parse_variant(text):
@@ -121,7 +129,7 @@ def main():
 
     refs = {}
     for impl in sorted({o["impl"] for _, _, o in variants}):
-        model.config.loss_impl = impl
+        use_loss(model, impl)
         loss, grads = step(model, model, *views)
         refs[impl] = loss, {n: g.clone() for n, g in grads.items()}
         print(
@@ -135,7 +143,7 @@ def main():
         import torch._functorch.config as functorch_config
 
         torch._dynamo.reset()
-        model.config.loss_impl = o["impl"]
+        use_loss(model, o["impl"])
         settings = contextlib.ExitStack()
         if o["flash"]:
             from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -150,7 +158,9 @@ def main():
         if o["trainer"]:
             from gpt2_fused.core import compile_guard, config
 
-            settings.enter_context(compile_guard.compiler_settings(config.TrainConfig()))
+            trainer = config.TrainConfig(batch_size=args.batch)  # not "auto": the rows it runs
+            trainer.model = model.config
+            settings.enter_context(compile_guard.compiler_settings(trainer))
         for n, m in dropouts.items():  # put back, or swapped for Identity
             set_submodule(model, n, torch.nn.Identity() if o["nodrop"] else m)
         t0 = time.perf_counter()

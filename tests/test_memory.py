@@ -324,8 +324,10 @@ def cuda_run(tmp_path, name, monkeypatch, cap=None, extra=()):
 def test_gpu_cap_picks_a_smaller_micro_batch_and_auto_equals_explicit(
     tmp_path, monkeypatch, capsys
 ):
-    """124M, eager, dropout on: the whole card picks more than an 8 GiB cap does; the capped
-    run trains within its cap, and equals (same losses) the run given its pick explicitly."""
+    """124M, eager, dropout on: a 16 GiB cap picks more than an 8 GiB cap does; the capped run
+    trains within its cap, and equals (same losses) the run given its pick explicitly. Caps both:
+    the gate runs the GPU tests in 4 processes on one card, and an uncapped probe (90 % of it)
+    and the run it picks would leave the others' tests out of memory."""
     try:
         capped_and_explicit(tmp_path, monkeypatch, capsys)
     finally:  # the cap outlives train.main in this process: the next GPU tests get the card
@@ -333,14 +335,15 @@ def test_gpu_cap_picks_a_smaller_micro_batch_and_auto_equals_explicit(
 
 
 def capped_and_explicit(tmp_path, monkeypatch, capsys):
-    peak, _ = cuda_run(tmp_path, "whole", monkeypatch)
-    whole = int(re.search(r"micro-batch (\d+) \(auto", capsys.readouterr().out).group(1))
+    peak, _ = cuda_run(tmp_path, "larger", monkeypatch, cap=16)
+    larger = re.search(r"micro-batch (\d+) \(auto, 16\.0 GiB cap", capsys.readouterr().out)
+    assert larger and peak <= 16
     peak, auto = cuda_run(tmp_path, "capped", monkeypatch, cap=8)
     text = capsys.readouterr().out
     line = re.search(r"micro-batch (\d+) \(auto, 8\.0 GiB cap of a [\d.]+ GiB card; .*", text)
     assert line, text
     picked = int(line.group(1))
-    assert picked < whole and peak <= 8
+    assert picked < int(larger.group(1)) and peak <= 8
     _, explicit = cuda_run(tmp_path, "explicit", monkeypatch, cap=8,
                            extra=[f"--batch_size={picked}"])  # fmt: skip
     assert all(x == x for x in auto) and len(auto) == 3
