@@ -131,6 +131,14 @@ def test_card_describes_itself():
     card = memory.Card(int(79.1 * GiB), 24 * GiB)
     assert str(card) == "24.0 GiB cap of a 79.1 GiB card"
     assert card.usable == 24 * GiB and card.budget == int(24 * GiB * (1 - memory.HEADROOM))
+    # another process holds most of the card: the pick counts only on what was free
+    shared = memory.Card(80 * GiB, 24 * GiB, free=10 * GiB)
+    assert (
+        shared.usable == 10 * GiB
+        and str(shared) == "24.0 GiB cap of a 80.0 GiB card, 10.0 GiB of it free"
+    )
+    assert memory.Card(80 * GiB, free=79 * GiB).usable == 79 * GiB
+    assert str(memory.Card(80 * GiB, free=79 * GiB)) == "80.0 GiB card"
 
 
 @pytest.mark.parametrize("argv, auto", [([], True), (["--batch_size='auto'"], True)])

@@ -79,14 +79,16 @@ def parse_cap(text):
 
 
 class Card:
-    """The GPU's memory in bytes (total_memory as torch reports it) and the cap, if any."""
+    """The GPU's memory in bytes (total_memory as torch reports it), the cap, if any, and what
+    was free to this process at start-up (None: not read): other processes (a desktop, a second
+    run) hold the rest, so the pick must not count on it."""
 
-    def __init__(self, total, cap=None):
-        self.total, self.cap = total, cap
+    def __init__(self, total, cap=None, free=None):
+        self.total, self.cap, self.free = total, cap, free
 
     @property
     def usable(self):
-        return self.cap or self.total
+        return min(self.cap or self.total, self.free or self.total)
 
     @property
     def budget(self):
@@ -95,6 +97,8 @@ class Card:
 
     def __str__(self):
         card = f"{self.total / GiB:.1f} GiB card"
+        if self.free is not None and self.free < 0.95 * (self.cap or self.total):
+            card += f", {self.free / GiB:.1f} GiB of it free"
         return f"{self.cap / GiB:.1f} GiB cap of a {card}" if self.cap else card
 
     def limit(self, nbytes):
@@ -108,7 +112,8 @@ def apply_cap(device):
     cap = parse_cap(os.environ.get(CAP_ENV))
     if device.type != "cuda":
         return None
-    card = Card(torch.cuda.get_device_properties(device).total_memory, cap)
+    free, total = torch.cuda.mem_get_info(device)
+    card = Card(total, cap, free + torch.cuda.memory_reserved(device))
     if cap is not None and cap > card.total:
         raise ConfigError(
             f"{CAP_ENV}={os.environ[CAP_ENV]} is more than the {card}: give less, or unset it"
