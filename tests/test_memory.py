@@ -355,7 +355,8 @@ def capped_and_explicit(tmp_path, monkeypatch, capsys):
     _, explicit = cuda_run(tmp_path, "explicit", monkeypatch, cap=8,
                            extra=[f"--batch_size={picked}"])  # fmt: skip
     assert all(x == x for x in auto) and len(auto) == 3
-    torch.testing.assert_close(auto, explicit, rtol=0, atol=1e-5)  # GPU runs match to ~1e-5
+    # the same run twice on a GPU differs by ~5e-5 (bf16 atomics in the backward)
+    torch.testing.assert_close(auto, explicit, rtol=0, atol=2e-4)
 
 
 def test_memory_fit_rehearsal_prints_a_row_per_card(tmp_path, capsys):
@@ -389,7 +390,10 @@ def test_memory_fit_rehearsal_prints_a_row_per_card(tmp_path, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
     "extra",
-    [["--shard='full'", "--compile=False"], ["--fp8='fused'", "--compile=True"]],
+    [
+        ["--shard='full'", "--adamw_impl='torch'", "--compile=False"],
+        ["--fp8='fused'", "--compile=True"],
+    ],
     ids=["fsdp2_eager", "fp8_fused_compiled"],
 )
 def test_gpu_auto_under_torchrun(tmp_path, extra):
