@@ -18,7 +18,7 @@ import torch
 
 from bench.common import graph_us
 from gpt2_fused.kernels import colsum
-from gpt2_fused.kernels.device import launch_overrides
+from gpt2_fused.kernels.launch import launch_overrides
 
 SHAPES = {"124M:32": (32768, 768), "1558M:16": (16384, 1600)}
 VARIANTS = [

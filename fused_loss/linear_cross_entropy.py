@@ -25,7 +25,7 @@ from fused_loss import exp_gemm, triton_kernels
 from fused_loss.checks import check_inputs
 from fused_loss.reference import linear_cross_entropy_reference
 from gpt2_fused.kernels import cublaslt
-from gpt2_fused.kernels.device import launch_overrides, num_sms
+from gpt2_fused.kernels.launch import launch_overrides, num_sms
 
 # The launch of the row kernels (triton_kernels.py), by device ("cpu": the Triton interpreter in
 # tests, small blocks so that small ragged shapes span several); bench/RESULTS.md#fused-loss.

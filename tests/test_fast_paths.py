@@ -16,7 +16,7 @@ from gpt2_fused.core.config import TrainConfig
 from gpt2_fused.core.device import fast_path_notes
 from gpt2_fused.kernels import fast_paths
 from gpt2_fused.kernels.adamw import MultiTensorAdamW
-from gpt2_fused.kernels.device import FORCE_CAPABILITY, capability
+from gpt2_fused.kernels.launch import FORCE_CAPABILITY, capability
 from model import GPT, GPTConfig
 
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU

@@ -37,8 +37,8 @@ import re
 import torch
 from torch import nn
 
-from gpt2_fused.kernels.device import capability
 from gpt2_fused.kernels.fast_paths import gpu_runs
+from gpt2_fused.kernels.launch import capability
 
 RECIPES = ("off", "tensorwise", "rowwise", "fused")
 # torchao 0.17 is the first release built against torch's stable ABI (torch 2.11 and later);

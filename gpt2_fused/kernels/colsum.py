@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from gpt2_fused.kernels.device import num_sms
+from gpt2_fused.kernels.launch import num_sms
 
 # pass 1's launch: elements of one of the two tiles a program reads per step (BM rows x BN
 # columns), its warps and how many programs per SM (the rows are split so): 3 is what stays

@@ -1,7 +1,7 @@
 """Which GPUs and compute dtypes each fast path runs on: one table (FAST_PATHS), read by the code
 that picks a path and by the start-up notice (notice()) that names those a run falls back from.
 
-A path runs on CUDA where the GPU's compute capability (device.capability(), which
+A path runs on CUDA where the GPU's compute capability (launch.capability(), which
 GPT2_FUSED_FORCE_CAPABILITY overrides) lies in [lowest, below) and the matmuls' dtype (autocast's,
 else the tensors') is one of its dtypes; elsewhere its twin runs, the same math in plain torch
 unless the row says otherwise. On a CPU the Triton kernels run in the interpreter (tests) and the
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpt2_fused.kernels.device import capability
+from gpt2_fused.kernels.launch import capability
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
