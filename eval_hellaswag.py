@@ -10,8 +10,8 @@ import torch
 
 from data import hellaswag
 from gpt2_fused.core import cli, distributed, model_io
-from gpt2_fused.core.device import resolve_dtype
 from gpt2_fused.core.errors import UsageError, run_main
+from gpt2_fused.core.hardware import resolve_dtype
 
 
 def parse_args(argv=None):

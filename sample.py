@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from gpt2_fused.core import cli, generate, model_io
-from gpt2_fused.core.device import DTYPES, pick_device, resolve_dtype
 from gpt2_fused.core.errors import UsageError, run_main
+from gpt2_fused.core.hardware import DTYPES, pick_device, resolve_dtype
 
 
 # errors the user can fix: one line each (gpt2_fused/core/errors.py), the path named

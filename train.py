@@ -51,9 +51,9 @@ from gpt2_fused.core.config import (
     help_text,
     load_config,
 )
-from gpt2_fused.core.device import fast_path_notes, peak_flops, resolve_dtype
 from gpt2_fused.core.errors import run_main
 from gpt2_fused.core.generate import generate
+from gpt2_fused.core.hardware import fast_path_notes, peak_flops, resolve_dtype
 from gpt2_fused.core.loss_scale import LossScaler
 from gpt2_fused.core.optim import get_lr
 from gpt2_fused.core.runlog import LogError, RunLog, StepLog, StepStats, device_name, print_start

@@ -11,8 +11,8 @@ import torch
 import train
 from gpt2_fused.core import checkpoint, compile_guard, memory, optim
 from gpt2_fused.core.config import ConfigError, TrainConfig, flat, grad_accum_steps, load_config
-from gpt2_fused.core.device import peak_flops
 from gpt2_fused.core.errors import run_main
+from gpt2_fused.core.hardware import peak_flops
 from gpt2_fused.core.optim import get_lr
 from model import GPT, GPTConfig
 

@@ -10,8 +10,7 @@ import torch
 
 import train
 from conftest import read_log
-from gpt2_fused.core import device as device_mod
-from gpt2_fused.core import loss_scale, optim
+from gpt2_fused.core import hardware, loss_scale, optim
 from gpt2_fused.core.config import ConfigError
 from gpt2_fused.core.loss_scale import LossScaler
 from gpt2_fused.core.runlog import read_jsonl
@@ -39,9 +38,9 @@ def test_auto_dtype_is_float16_where_bf16_is_only_emulated(monkeypatch, capabili
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     monkeypatch.setattr(torch.version, "hip", hip)
-    assert device_mod.resolve_dtype("auto", torch.device("cuda", 0)) == want
-    assert device_mod.resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    assert device_mod.resolve_dtype("float16", torch.device("cpu")) == torch.float16
+    assert hardware.resolve_dtype("auto", torch.device("cuda", 0)) == want
+    assert hardware.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert hardware.resolve_dtype("float16", torch.device("cpu")) == torch.float16
 
 
 def test_float16_refuses_fp8_and_fsdp2_in_one_line():

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from gpt2_fused.core import generate, model_io
-from gpt2_fused.core.device import pick_device
+from gpt2_fused.core.hardware import pick_device
 from gpt2_fused.core.model_io import _read_safetensors, _write_safetensors
 from model import GPT, GPTConfig
 

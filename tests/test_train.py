@@ -1063,7 +1063,7 @@ def test_gpu_compiled_xl_width_step_matches_eager(loss_impl):
 
 _HEAP_PROBE = """
 import ctypes, sys, torch
-from gpt2_fused.core import device
+from gpt2_fused.core import hardware
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33, <malloc.h>
     _names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
     _fields_ = [(name, ctypes.c_size_t) for name in _names.split()]
@@ -1071,7 +1071,7 @@ libc = ctypes.CDLL(None)
 if not hasattr(libc, "mallinfo2"):
     sys.exit(3)
 libc.mallinfo2.restype = MallInfo2
-print(device.keep_freed_memory() if sys.argv[1] == "keep" else None)
+print(hardware.keep_freed_memory() if sys.argv[1] == "keep" else None)
 before = libc.mallinfo2()
 block = torch.empty(64 << 20, dtype=torch.uint8)
 alive = libc.mallinfo2()
