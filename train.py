@@ -28,11 +28,11 @@ from data.shards import DataError
 from data.tokenizer import EOT, get_tokenizer
 from gpt2_fused.core import (
     compile_cache,
+    data_parallel,
     distributed,
     fp8,
     memory,
     plot,
-    sharding,
     start,
     weight_casts,
 )
@@ -81,7 +81,7 @@ class Run:
     val_glob: str
     dtype: torch.dtype  # of the matmuls: bf16 or fp16 under autocast, else fp32
     print0: callable
-    shard: sharding.DataParallel  # the sharding mode's object: DDP, ZeRO-1 or FSDP2
+    shard: data_parallel.DataParallel  # the sharding mode's object: DDP, ZeRO-1 or FSDP2
     scaler: LossScaler  # fp16's loss scale; disabled in other dtypes
     model: torch.nn.Module = None  # evaluates: compiled, or raw_model once a compiled graph failed
     train_model: torch.nn.Module = None  # model, in DDP under torchrun
@@ -184,7 +184,7 @@ def compile_and_wrap(run, use_compile, grad_accum):
     cfg, procs, raw_model = run.cfg, run.procs, run.raw_model
     compiled = functools.partial(torch.compile, mode=cfg.compile_mode)
     graphs = use_compile and uses_cuda_graphs(cfg.compile_mode)
-    if sharding.sums_at_step(cfg, procs, graphs):
+    if data_parallel.sums_at_step(cfg, procs, graphs):
         run.shard.sync_at_step(raw_model, graphs)  # keeps the grads itself
     elif graphs and grad_accum > 1:
         run.shard.keep_grads(raw_model, graphs)
@@ -282,7 +282,7 @@ def main(argv=None, train_loader=DataLoader):
     try:  # the model's settings from the checkpoint resumed or the weights of init_from
         begin = start.find(cfg, procs, print0)
         cfg = begin.cfg
-        shard = sharding.mode(cfg, procs)  # a combination that does not run stops here
+        shard = data_parallel.mode(cfg, procs)  # a combination that does not run stops here
         notes = shard.notes  # the start-up report's (shard.sync_at_step adds to it too)
         notes += begin.notes
         T = cfg.model.block_size
@@ -315,7 +315,7 @@ def main(argv=None, train_loader=DataLoader):
         notes += memory.pick_batch(cfg, procs, raw_model, optimizer, dtype, card)
         grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
         per_layer = raw_model.flops_per_token() * cfg.batch_size * T / cfg.model.n_layer
-        bucketed = procs.ddp and not sharding.graphs_fit(cfg)  # DDP's or FSDP2's all-reduces
+        bucketed = procs.ddp and not data_parallel.graphs_fit(cfg)  # DDP's or FSDP2's all-reduces
         cfg.compile_mode = pick_mode(cfg.compile_mode, device, bucketed, per_layer)  # "auto"
         loader, train_glob, val_glob = open_data(cfg, train_loader, procs)
         run = Run(cfg, procs, raw_model, optimizer, loader, val_glob, dtype, print0, shard, scaler)
@@ -358,7 +358,7 @@ def main(argv=None, train_loader=DataLoader):
         loop(run, start_step, grad_accum, stop, steps, run_log, check_training)
 
         # --- teardown
-        sharding.report_state(optimizer, procs, print0)
+        data_parallel.report_state(optimizer, procs, print0)
         if device.type == "cuda":
             gib = torch.cuda.max_memory_allocated(device) / 2**30
             print0(f"peak GPU memory allocated: {gib:.2f} GiB" + (" (rank 0)" if procs.ddp else ""))

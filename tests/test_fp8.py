@@ -20,7 +20,7 @@ from torchao.float8.float8_linear import Float8Linear  # noqa: E402  (not public
 import train  # noqa: E402
 from bench.fp8_stress import ARGS as STRESS_ARGS  # noqa: E402
 from conftest import read_log  # noqa: E402
-from gpt2_fused.core import fp8, model_io, sharding  # noqa: E402
+from gpt2_fused.core import data_parallel, fp8, model_io  # noqa: E402
 from gpt2_fused.core.config import TrainConfig  # noqa: E402
 from gpt2_fused.core.distributed import Processes  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -247,7 +247,7 @@ def test_fsdp2_float8_all_gather_trains_like_fp8_alone_and_saves_plain_tensors(t
     procs = Processes(ddp=True, rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
     def run(shard):
-        mode = sharding.mode(TrainConfig(shard=shard, adamw_impl="torch"), procs)
+        mode = data_parallel.mode(TrainConfig(shard=shard, adamw_impl="torch"), procs)
         model = tiny_model(vocab_size=512, padded_vocab_size=512)
         fp8.convert(model, "tensorwise", mode.fully_sharded)
         mode.shard_model(model)

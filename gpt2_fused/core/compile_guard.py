@@ -48,7 +48,7 @@ def pick_mode(mode, device, bucketed, flop_per_layer):
     launched op by op) on a GPU whose micro-batch is small enough for the host to pace the step
     (flop_per_layer: one micro-batch's forward and backward FLOP over n_layer), else "default".
     bucketed: under torchrun the grads are summed in DDP's buckets or FSDP2's during the
-    backward, which graphs cannot hold ("default"; sharding.graphs_fit)."""
+    backward, which graphs cannot hold ("default"; data_parallel.graphs_fit)."""
     if mode != "auto":
         return mode
     graphs = device.type == "cuda" and not bucketed and flop_per_layer < GRAPHS_BELOW_FLOP_PER_LAYER
@@ -62,7 +62,7 @@ def uses_cuda_graphs(mode):
 class KeptGrads:
     """Every trainable parameter's .grad as a view into one flat buffer of its own (slots of 16
     bytes' multiples: adamw.py's wide loads), summed over a step's micro-batches; `flat` is what
-    a step under torchrun all-reduces (sharding.DataParallel.sync_at_step).
+    a step under torchrun all-reduces (data_parallel.DataParallel.sync_at_step).
 
     Why a buffer: under CUDA graphs autograd installs the backward graph's output as a
     parameter's first .grad, and the next micro-batch's replay writes over that memory, so the

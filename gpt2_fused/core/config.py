@@ -140,10 +140,10 @@ class TrainConfig:
     ddp_compile: str = setting("model", '"model" or "ddp": which of DDP and compile wraps')
     # under torchrun, how the ranks' grads are summed: "ddp" in DDP's buckets (after the compiled
     # backward, or overlapping it with ddp_compile="ddp"); "step" by one all-reduce of a flat
-    # buffer after the step's last backward, which CUDA graphs allow (sharding.py); "auto":
+    # buffer after the step's last backward, which CUDA graphs allow (data_parallel.py); "auto":
     # "step" when the step runs as CUDA graphs, else "ddp"
     grad_sync: str = setting("auto", '"auto", "ddp" or "step": how ranks sum their grads')
-    # under torchrun (sharding.py): "optimizer" is ZeRO-1, "full" is FSDP2 over the blocks
+    # under torchrun (data_parallel.py): "optimizer" is ZeRO-1, "full" is FSDP2 over the blocks
     shard: str = setting("none", '"none" (DDP), "optimizer" (AdamW state) or "full" (FSDP2)')
     seed: int = setting(1337, "seed of the init, dropout and data order")
 
@@ -259,7 +259,7 @@ class TrainConfig:
             )
 
 
-SHARD_MODES = ("none", "optimizer", "full")  # gpt2_fused/core/sharding.py's classes
+SHARD_MODES = ("none", "optimizer", "full")  # gpt2_fused/core/data_parallel.py's classes
 PRESET_NAME = "model"  # the key that names a preset instead of a field
 
 

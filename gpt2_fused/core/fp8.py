@@ -128,7 +128,7 @@ def _check_gpu(recipe, device):
 
 def convert(model, recipe, fully_sharded):
     """Swap the blocks' Linears of `model` (a model.GPT on its device, before torch.compile, DDP
-    or sharding's shard_model) for torchao's Float8Linear, in place; their names. fully_sharded
+    or data_parallel's shard_model) for torchao's Float8Linear, in place; their names. fully_sharded
     (FSDP2) and tensorwise: their weights become torchao's float8 all-gather wrappers."""
     if recipe == "off":
         return []

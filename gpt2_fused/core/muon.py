@@ -29,8 +29,8 @@ matrix's u is first gathered whole (in bf16: half the bytes of FSDP2's fp32 weig
 then shared out as under DDP, and each rank keeps its rows of O: orthogonalising each shard alone
 would change the math (and the scale), and gathering only to the matrix's owner would need a
 gather and a scatter per matrix instead of one all-gather. Under ZeRO-1
-sharding.py wraps this class in ZeroRedundancyOptimizer: each rank's instance holds only its own
-parameters (and momentum), orthogonalises them alone, and ZeRO broadcasts the new weights.
+data_parallel.py wraps this class in ZeroRedundancyOptimizer: each rank's instance holds only its
+own parameters (and momentum), orthogonalises them alone, and ZeRO broadcasts the new weights.
 """
 
 import math

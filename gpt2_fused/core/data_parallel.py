@@ -1,4 +1,5 @@
-"""Sharded training state under torchrun (--shard), on torch's own engines.
+"""How the data-parallel ranks under torchrun hold the training state (--shard): DDP, ZeRO-1 or
+FSDP2, on torch's own engines.
 
     none       DDP: every rank holds the fp32 weights, grads and both AdamW moments (16 B/param)
     optimizer  ZeRO-1: DDP all-reduces the grads as before; torch's ZeroRedundancyOptimizer gives
