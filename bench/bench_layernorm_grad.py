@@ -13,7 +13,7 @@ torch (the table's max err: all variants should agree, ~2e-3 from bf16), timed a
 20 forward + backward calls (median of --repeats replays), and profiled once outside the graph:
 µs a call in the Triton kernels, in ATen's reduce kernels and in memsets. Prints a table last.
 "trainer" is the trainer's split (compile_guard.layernorm_split), "trainer + row_sum" the same with
-the partial sums finished by colsum.row_sum (compile_guard.triton_partial_sums), counted in the
+the partial sums finished by grad_sums.row_sum (compile_guard.triton_partial_sums), counted in the
 Triton column.
 """
 

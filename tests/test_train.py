@@ -613,7 +613,7 @@ FINISHING = (
 
 
 def test_triton_partial_sums_rewrites_inductors_finishing_lines():
-    """Each finishing sum becomes colsum.row_sum of the same rows, anything after the sum kept;
+    """Each finishing sum becomes grad_sums.row_sum of the same rows, anything after the sum kept;
     other reductions and lines are left alone; the rewritten lines run (here in the Triton
     interpreter) and give torch's sums."""
     rewrite = compile_guard.row_sum_line
@@ -705,7 +705,7 @@ def test_triton_partial_sums_rewrites_what_the_mix_order_codegen_writes(monkeypa
 @pytest.mark.parametrize("rows, width", [(16384, 768), (16384, 1600)])
 def test_gpu_layernorm_backward_sums_are_finished_by_row_sum(rows, width):
     """A block's LayerNorm (bf16 stream, fp32 weight and bias) compiled forward and backward
-    under the trainer's settings: its dw and db partial sums end in colsum.row_sum, not in
+    under the trainer's settings: its dw and db partial sums end in grad_sums.row_sum, not in
     torch's sum, and the gradients match float64 torch as closely as with torch's sum."""
     import torch._inductor.config as inductor_config
     from torch._inductor.utils import run_and_get_code

@@ -325,11 +325,11 @@ def persistent_rows(limit):
 FINAL_SUM = re.compile(
     r"(?P<lhs>\w+ = )(?P<rows>\w+\[[^\]]*\]\.view\([^()]*\))\.sum\(dim=0\)(?P<rest>.*)"
 )
-ROW_SUM_IMPORT = "from gpt2_fused.kernels.colsum import row_sum"
+ROW_SUM_IMPORT = "from gpt2_fused.kernels.grad_sums import row_sum"
 
 
 def row_sum_line(line):
-    """Inductor's finishing line with colsum.row_sum in place of torch's sum (None: not one)."""
+    """Inductor's finishing line with grad_sums.row_sum in place of torch's sum (None: not one)."""
     m = FINAL_SUM.fullmatch(line) if isinstance(line, str) else None
     return None if m is None else f"{m['lhs']}row_sum({m['rows']}){m['rest']}"
 
@@ -337,7 +337,7 @@ def row_sum_line(line):
 @contextlib.contextmanager
 def triton_partial_sums(enabled=True):
     """While the context lasts, Inductor's generated code finishes the partial sums of a mix-order
-    reduction (each LayerNorm backward's dw and db: (P, C) fp32, P ~1024) with colsum.row_sum,
+    reduction (each LayerNorm backward's dw and db: (P, C) fp32, P ~1024) with grad_sums.row_sum,
     one Triton launch, instead of ATen's column sum, which at these shapes splits the rows over
     blocks that meet at a semaphore: a memset and a kernel of 6-11 us each, two of each per
     LayerNorm (bench/RESULTS.md#layernorm-backwards-column-sums). The same sum in another order.

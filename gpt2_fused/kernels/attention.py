@@ -5,7 +5,7 @@ and a backward that lays out and sums the qkv gradient in one pass.
     y = softmax(q k^T / sqrt(hs) + causal mask) v      per head of hs = C / nh: y (B, T, C)
 Backward:
     dq, dk, dv = cuDNN's attention backward     each (B, T, C) in memory, as q is in qkv
-    dqkv, db = [dq | dk | dv], its column sums  one Triton pass (colsum.qkv_grad)
+    dqkv, db = [dq | dk | dv], its column sums  one Triton pass (grad_sums.qkv_grad)
     dx = dqkv @ W,  dW = dqkv.T @ x            cuBLAS; dW leaves the GEMM in W's own dtype
 What goes against c_attn = nn.Linear + F.scaled_dot_product_attention under torch.compile
 (bench/RESULTS.md#attention): there, the backward of the qkv split is a copy into
@@ -27,8 +27,8 @@ attention_reference and proj_residual_reference are the same two ops in plain to
 import torch
 import torch.nn.functional as F
 
-from gpt2_fused.kernels.colsum import qkv_grad
 from gpt2_fused.kernels.fast_paths import gpu_runs
+from gpt2_fused.kernels.grad_sums import qkv_grad
 from gpt2_fused.kernels.mlp import as_compute, half_compute_dtype, linear_add, mm_as
 
 

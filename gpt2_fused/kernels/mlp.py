@@ -10,7 +10,7 @@ Forward, one opaque op (mlp_gelu):
 Backward (plain torch ops, so under torch.compile Inductor traces and fuses them, e.g. the two
 bias sums), but for the GELU gradient:
     dh = (dout @ W_proj) * gelu_tanh'(h)     one GEMM, DGELU epilogue (dgelu_mm)
-    dx = dh @ W_fc, dW_fc = dh.T @ x, db_fc = sum_rows dh (colsum.py), dW_proj = dout.T @ a,
+    dx = dh @ W_fc, dW_fc = dh.T @ x, db_fc = sum_rows dh (grad_sums.py), dW_proj = dout.T @ a,
     db_proj = sum dout
     dr = dout                                (the residual passes the gradient through)
 The GEMMs run in the compute dtype (bf16 under autocast, on the caller's casts of the weights)
@@ -41,8 +41,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from gpt2_fused.kernels.colsum import colsum
 from gpt2_fused.kernels.cublaslt import EPI_BIAS, EPI_DGELU, EPI_GELU_AUX_BIAS, matmul
+from gpt2_fused.kernels.grad_sums import colsum
 
 
 @torch.library.custom_op("gpt2_fused::dgelu_mm", mutates_args=())
@@ -111,7 +111,7 @@ def _backward(ctx, dout, _dh, _da):
         dh @ w_fc_c,
         mm_as(dh.t(), x, dw_fc),
         None,
-        colsum(dh).to(db_fc),  # faster than Inductor's column sum here (colsum.py)
+        colsum(dh).to(db_fc),  # faster than Inductor's column sum here (grad_sums.py)
         None,
         mm_as(dout.t(), a, dw_proj),
         None,

@@ -1,5 +1,7 @@
-"""Column sums of a tall (M, N) gradient, the bias gradient of a linear layer, in two passes that
-read it once; optionally laid out as the concatenation of three (M, C) parts as they are read.
+"""Gradients summed over a micro-batch's rows. Column sums of a tall (M, N) gradient, the bias
+gradient of a linear layer, in two passes that read it once; optionally laid out as the
+concatenation of three (M, C) parts as they are read (the qkv gradient); and the last pass alone,
+for the partial sums of LayerNorm's dw and db that Inductor leaves.
 
     colsum(t)             t (M, N) -> sum_m t[m] (N,) fp32
     qkv_grad(dq, dk, dv)  each (M, C) -> ([dq | dk | dv] (M, 3C), its column sums (3C,) fp32)
@@ -37,8 +39,8 @@ from gpt2_fused.kernels.launch import num_sms
 
 # pass 1's launch: elements of one of the two tiles a program reads per step (BM rows x BN
 # columns), its warps and how many programs per SM (the rows are split so): 3 is what stays
-# resident at this tile (~160 registers a thread, tests/test_colsum.py), one wave; other launches
-# are timed by bench/bench_colsum.py (bench/RESULTS.md#attention)
+# resident at this tile (~160 registers a thread, tests/test_grad_sums.py), one wave; other launches
+# are timed by bench/bench_grad_sums.py (bench/RESULTS.md#attention)
 LAUNCH = {
     "cuda": dict(tile=8192, num_warps=4, per_sm=3),
     "cpu": dict(tile=256, num_warps=1, per_sm=1),
