@@ -124,7 +124,7 @@ def convert(model, v):
 
 def child(args, name):
     """One variant, in this process: its result as a dict."""
-    from gpt2_fused.core.compile_guard import compiler_settings
+    from gpt2_fused.core.compile_settings import compiler_settings
     from gpt2_fused.core.config import load_config
     from model import GPT, GPTConfig
 

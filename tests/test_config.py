@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train
-from gpt2_fused.core import checkpoint, compile_guard, memory, optim
+from gpt2_fused.core import checkpoint, compile_settings, memory, optim
 from gpt2_fused.core.config import ConfigError, TrainConfig, flat, grad_accum_steps, load_config
 from gpt2_fused.core.errors import run_main
 from gpt2_fused.core.hardware import peak_flops
@@ -319,11 +319,13 @@ def test_auto_compile_mode_takes_cuda_graphs_for_small_micro_batches_on_a_gpu():
         return model.flops_per_token() * batch * 1024 / model.config.n_layer
 
     small, large = per_layer("gpt2", 16), per_layer("gpt2", 32)
-    assert compile_guard.pick_mode("auto", cuda, False, per_layer("gpt2", 8)) == "reduce-overhead"
-    assert compile_guard.pick_mode("auto", cuda, False, small) == "reduce-overhead"
-    assert compile_guard.pick_mode("auto", cuda, False, large) == "default"
-    assert compile_guard.pick_mode("auto", cuda, False, per_layer("gpt2-xl", 16)) == "default"
-    assert compile_guard.pick_mode("auto", cuda, True, small) == "default"
-    assert compile_guard.pick_mode("auto", cpu, False, small) == "default"
-    assert compile_guard.pick_mode("max-autotune", cuda, True, small) == "max-autotune"
+    assert (
+        compile_settings.pick_mode("auto", cuda, False, per_layer("gpt2", 8)) == "reduce-overhead"
+    )
+    assert compile_settings.pick_mode("auto", cuda, False, small) == "reduce-overhead"
+    assert compile_settings.pick_mode("auto", cuda, False, large) == "default"
+    assert compile_settings.pick_mode("auto", cuda, False, per_layer("gpt2-xl", 16)) == "default"
+    assert compile_settings.pick_mode("auto", cuda, True, small) == "default"
+    assert compile_settings.pick_mode("auto", cpu, False, small) == "default"
+    assert compile_settings.pick_mode("max-autotune", cuda, True, small) == "max-autotune"
     assert TrainConfig().compile_mode == "auto"

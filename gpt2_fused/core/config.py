@@ -20,7 +20,7 @@ import typing
 from dataclasses import asdict, dataclass, field, replace
 
 from gpt2_fused.core import cli
-from gpt2_fused.core.compile_guard import BUFFER_REUSE, COMPILE_MODES
+from gpt2_fused.core.compile_settings import BUFFER_REUSE, COMPILE_MODES
 from gpt2_fused.core.errors import UsageError
 from gpt2_fused.core.fp8 import RECIPES as FP8_RECIPES
 from model import IMPLS, GPTConfig, setting
@@ -107,7 +107,7 @@ class TrainConfig:
         '"bfloat16", "float16", "float32"',
     )
     compile: bool | None = setting(None, "torch.compile the model (None: on for CUDA)")
-    # "auto" is replaced by its pick at start-up (compile_guard.pick_mode): the printed config
+    # "auto" is replaced by its pick at start-up (compile_settings.pick_mode): the printed config
     # and the checkpoint's show the mode that ran
     compile_mode: str = setting(
         "auto", 'torch.compile mode: "auto" (printed as its pick), "default", ...'
@@ -119,20 +119,20 @@ class TrainConfig:
     # Inductor's own limit is 1024: wider LayerNorms (774M, 1558M) would read their rows twice
     persistent_rows: int = setting(2048, "Inductor reduces rows up to this wide in registers")
     # Inductor leaves each LayerNorm's dw and db as partial sums of this many rows, then sums
-    # them (compile_guard.layernorm_split): -1 picks 1024 up to 1024 wide, else 256
+    # them (compile_settings.layernorm_split): -1 picks 1024 up to 1024 wide, else 256
     layernorm_partial_rows: int = setting(
         -1, "LayerNorm dw/db partial sums (-1 auto, 0 Inductor's)"
     )
     # ...and finishes them with ATen's column sum (a memset and a kernel each) unless this swaps
-    # in one Triton launch (compile_guard.triton_partial_sums)
+    # in one Triton launch (compile_settings.triton_partial_sums)
     triton_partial_sums: bool = setting(True, "LayerNorm dw/db partial sums finished by Triton")
     # the tied wte's two gradients: the embedding's rows scattered into the classifier's, not
-    # into zeros then added (compile_guard.scatter_tied_grad)
+    # into zeros then added (compile_settings.scatter_tied_grad)
     tied_grad_scatter: bool = setting(True, "embedding rows scattered into the classifier's dW")
     # "no_inplace": with in-place buffers torch.compile has produced wrong losses and gradients
     # at 774M and 1558M (bench/RESULTS.md#compile); no cost measured
     buffer_reuse: str = setting("no_inplace", "Inductor buffer reuse: all, no_inplace or none")
-    # the guard against wrongly compiled graphs (compile_guard.py); skipped with dropout > 0,
+    # the guard against wrongly compiled graphs (compile_settings.py); skipped with dropout > 0,
     # where the two forwards draw different masks
     check_compile: bool = setting(True, "check compiled loss against eager at step 0/after eval")
     # "model": compile, then wrap in DDP (nanoGPT); "ddp": compile the DDP module, so Dynamo

@@ -10,7 +10,7 @@ import time
 import torch
 
 from gpt2_fused.core.checkpoint import newest_note
-from gpt2_fused.core.compile_guard import uses_cuda_graphs
+from gpt2_fused.core.compile_settings import uses_cuda_graphs
 from gpt2_fused.core.config import flat
 from gpt2_fused.core.jsonl import read_jsonl
 

@@ -21,7 +21,7 @@ of the additions is fixed, so the result is the same from run to run (no atomics
 interpreter the same kernels run (16-bit values are only loaded, stored and widened to fp32).
 colsum_reference / qkv_grad_reference are the same in torch.
 row_sum is pass 2 alone, launched for P of a few hundred to a thousand rows: the partial dw and
-db sums that Inductor leaves for each LayerNorm backward (compile_guard.triton_partial_sums has
+db sums that Inductor leaves for each LayerNorm backward (compile_settings.triton_partial_sums has
 its generated code call row_sum in place of ATen's column sum, which at these shapes takes a
 memset and 6-11 us; bench/RESULTS.md#layernorm-backwards-column-sums). Its reference is t.sum(0).
 Both ops are torch.library.triton_ops: called eagerly they launch the kernels themselves; inside
@@ -119,7 +119,7 @@ ROW_SUM_TILE = 4096
 def row_sum(t):
     """The sum of the rows of t (P, N) fp32, row-major: (N,) fp32, added in row order (the same
     bits every call), one launch. A plain function, not an op: Inductor's generated wrapper calls
-    it (compile_guard.triton_partial_sums), so no dispatcher sits in front of the launch."""
+    it (compile_settings.triton_partial_sums), so no dispatcher sits in front of the launch."""
     if t.dim() != 2 or t.dtype != torch.float32 or t.stride() != (t.shape[1], 1):
         raise ValueError(f"row_sum: a row-major (P, N) fp32 tensor, got {t.dtype} "
                          f"{tuple(t.shape)} strides {t.stride()}")  # fmt: skip
