@@ -37,13 +37,8 @@ from gpt2_fused.core import (
     weight_casts,
 )
 from gpt2_fused.core.checkpoint import CheckpointError, newest_note, rng_state, save_checkpoint
-from gpt2_fused.core.compile_settings import (
-    check_training_step,
-    compiled_loss_mismatch,
-    compiler_settings,
-    pick_mode,
-    uses_cuda_graphs,
-)
+from gpt2_fused.core.compile_guard import check_training_step, compiled_loss_mismatch
+from gpt2_fused.core.compile_settings import compiler_settings, pick_mode, uses_cuda_graphs
 from gpt2_fused.core.config import (
     ConfigError,
     TrainConfig,
@@ -205,7 +200,7 @@ def compile_and_wrap(run, use_compile, grad_accum):
 def train_step(run, step, grad_accum, stop, check):
     """One optimizer step over grad_accum micro-batches; returns its StepStats (read later).
     check: compare the first micro-batch's compiled loss with eager mode's before the update
-    (gpt2_fused/core/compile_settings.py)."""
+    (gpt2_fused/core/compile_guard.py)."""
     cfg, procs, optimizer = run.cfg, run.procs, run.optimizer
     device, ddp = procs.device, procs.ddp
     lr = get_lr(step, cfg)

@@ -15,7 +15,7 @@ import train
 from conftest import read_log, read_norms
 from data.loader import DataLoader
 from data.shards import write_shard
-from gpt2_fused.core import checkpoint, compile_settings
+from gpt2_fused.core import checkpoint, compile_guard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -316,7 +316,7 @@ def test_compiled_loss_check_agrees_across_ranks():
     store = dist.HashStore()
     dist.init_process_group("gloo", rank=0, world_size=1, store=store)
     try:
-        check = compile_settings.compiled_loss_mismatch
+        check = compile_guard.compiled_loss_mismatch
         assert check(torch.tensor(2.5), torch.tensor(2.5005), True, "batch") is None
         wrong = check(torch.tensor(2.6), torch.tensor(2.5), True, "batch")
         assert "compiled 2.600000, eager 2.500000" in wrong and "1.00e-01 nats" in wrong

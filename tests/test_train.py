@@ -19,9 +19,9 @@ import train
 from conftest import LOSS_PNG, read_log, read_norms
 from data import resolve_dataset
 from data.loader import iter_val_batches
-from gpt2_fused.core import compile_settings, config, model_io
+from gpt2_fused.core import compile_guard, compile_settings, config, kept_grads, model_io
 from gpt2_fused.core.checkpoint import list_checkpoints
-from gpt2_fused.core.compile_settings import CompileMismatch
+from gpt2_fused.core.compile_guard import CompileMismatch
 from gpt2_fused.core.jsonl import read_jsonl
 from gpt2_fused.core.runlog import RunLog, StepLog, StepStats
 from model import GPT, GPTConfig
@@ -824,7 +824,7 @@ def test_check_compile_stops_a_wrong_graph_before_the_update(
     args = tiny_args + [f"--out_dir={out}", "--max_steps=2", "--eval_interval=0", "--compile=True"]
     steps = []
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: steps.append(1))
-    if abs(shift) <= compile_settings.COMPILE_CHECK_TOL:
+    if abs(shift) <= compile_guard.COMPILE_CHECK_TOL:
         train.main(args)
         assert len(steps) == 2
         return
@@ -900,7 +900,7 @@ def test_gpu_train_main_compiled_with_checks(tiny_args, tmp_path, capsys, mode):
 
 @pytest.mark.parametrize("by_grad", [True, False], ids=["by_grad", "autograd_adds"])
 def test_kept_grads_sum_the_micro_batches_of_each_step(by_grad):
-    """compile_settings.KeptGrads: over two steps of three micro-batches each, the kept grads are
+    """kept_grads.KeptGrads: over two steps of three micro-batches each, the kept grads are
     the sum of plain backward()s from zero (by_grad: autograd.grad's outputs copied in by the
     first micro-batch, added by the others; else autograd's own adds, zeroed after the step),
     views of one flat buffer at 16-byte addresses; a parameter the loss does not reach keeps a
@@ -919,7 +919,7 @@ def test_kept_grads_sum_the_micro_batches_of_each_step(by_grad):
                 for p in model.parameters()]  # fmt: skip
 
     refs = [reference(0), reference(1)]
-    kept = compile_settings.KeptGrads(model, by_grad=by_grad)
+    kept = kept_grads.KeptGrads(model, by_grad=by_grad)
     flat = kept.flat
     for step in range(2):
         for i, b in enumerate(batches[3 * step : 3 * step + 3]):
@@ -969,7 +969,7 @@ def small_cuda_model_and_batches(n):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_graphs_accumulate_gradients_as_eager_mode_does():
     """Three micro-batches through the model compiled with CUDA graphs, grads kept as train.py
-    keeps them there (compile_settings.KeptGrads, by_grad: autograd.grad's outputs copied, then
+    keeps them there (kept_grads.KeptGrads, by_grad: autograd.grad's outputs copied, then
     added, into views of one flat buffer, which they stay): their sum is eager mode's, at the
     warm-up, recording and replaying calls alike, and a second step's replaces the first's.
     Without kept grads the second micro-batch's replay overwrites the first one's
@@ -994,7 +994,7 @@ def test_gpu_cuda_graphs_accumulate_gradients_as_eager_mode_does():
 
     ref = grads(model, None)
     compiled = torch.compile(model, mode="reduce-overhead")
-    kept = compile_settings.KeptGrads(model, by_grad=True)
+    kept = kept_grads.KeptGrads(model, by_grad=True)
     for _ in range(3):  # warm-up, recording, replay; each step starts from the last one's grads
         got = grads(compiled, kept)
         kept.zero()  # as train.py's step: by_grad, nothing (the first micro-batch overwrites)

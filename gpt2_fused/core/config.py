@@ -132,7 +132,7 @@ class TrainConfig:
     # "no_inplace": with in-place buffers torch.compile has produced wrong losses and gradients
     # at 774M and 1558M (bench/RESULTS.md#compile); no cost measured
     buffer_reuse: str = setting("no_inplace", "Inductor buffer reuse: all, no_inplace or none")
-    # the guard against wrongly compiled graphs (compile_settings.py); skipped with dropout > 0,
+    # the guard against wrongly compiled graphs (compile_guard.py); skipped with dropout > 0,
     # where the two forwards draw different masks
     check_compile: bool = setting(True, "check compiled loss against eager at step 0/after eval")
     # "model": compile, then wrap in DDP (nanoGPT); "ddp": compile the DDP module, so Dynamo

@@ -18,7 +18,7 @@ Counted besides the activations:
 - the AdamW moments (8 B per local parameter; AdamW makes them at the first step): a placeholder
   of their size is held through the probe;
 - the grads: the probe's backward makes them (as DDP's buckets hold them later);
-- under CUDA graphs with kept grads (compile_settings.KeptGrads, by_grad): their flat buffer, 4 B
+- under CUDA graphs with kept grads (kept_grads.KeptGrads, by_grad): their flat buffer, 4 B
   per parameter more, held as a placeholder too;
 - the weights' casts to bf16 that weight_casts.py keeps: the eager forward makes its own casts
   of the same weights and holds them for the backward, as many bytes at the peak.
