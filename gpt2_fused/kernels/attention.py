@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from gpt2_fused.kernels.fast_paths import gpu_runs
+from gpt2_fused.kernels.gemm import as_compute, half_compute_dtype, linear_add, mm_as
 from gpt2_fused.kernels.grad_sums import qkv_grad
-from gpt2_fused.kernels.mlp import as_compute, half_compute_dtype, linear_add, mm_as
 
 
 def available():
@@ -112,7 +112,7 @@ attention.register_autograd(_backward, setup_context=_setup_context)
 def attention_fast(x, w, b, n_head, casts=(None, None)):
     """y (B, T, C) before c_proj for x (B, T, C) on CUDA, in bf16/fp16 or under such autocast,
     causal, no dropout; None where the op does not apply. casts: w's and b's kept casts, or
-    None (mlp.as_compute). Only tensor metadata is read here, so that Dynamo traces it into the
+    None (gemm.as_compute). Only tensor metadata is read here, so that Dynamo traces it into the
     graph."""
     if not x.is_cuda or b is None or x.dim() != 3:
         return None
@@ -135,7 +135,7 @@ def proj_residual(
     b_c: torch.Tensor,
     residual: torch.Tensor,
 ) -> torch.Tensor:
-    """residual + y @ w_c.T + b_c (mlp.linear_add): y (M, C) and residual (M, C) contiguous in
+    """residual + y @ w_c.T + b_c (gemm.linear_add): y (M, C) and residual (M, C) contiguous in
     the compute dtype, w_c (C, C) and b_c the casts of the parameters w, b (only their dtypes
     are read)."""
     return linear_add(y, w_c, b_c, residual)

@@ -41,7 +41,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from gpt2_fused.kernels.cublaslt import EPI_BIAS, EPI_DGELU, EPI_GELU_AUX_BIAS, matmul
+from gpt2_fused.kernels.cublaslt import EPI_DGELU, EPI_GELU_AUX_BIAS, matmul
+from gpt2_fused.kernels.gemm import as_compute, half_compute_dtype, linear_add, mm_as
 from gpt2_fused.kernels.grad_sums import colsum
 
 
@@ -96,13 +97,6 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, w_fc_c, w_proj_c, h, a)
 
 
-def mm_as(a, b, dtype):
-    """a @ b with fp32 accumulation, the result in `dtype` (fp32 as the GEMM writes it: CUDA)."""
-    if dtype == a.dtype:
-        return a @ b
-    return torch.mm(a, b, out_dtype=torch.float32).to(dtype)
-
-
 def _backward(ctx, dout, _dh, _da):
     x, w_fc_c, w_proj_c, h, a = ctx.saved_tensors
     dw_fc, db_fc, dw_proj, db_proj = ctx.dtypes
@@ -122,29 +116,6 @@ def _backward(ctx, dout, _dh, _da):
 
 
 mlp_gelu.register_autograd(_backward, setup_context=_setup_context)
-
-
-def linear_add(a, w_c, b_c, residual):
-    """residual + a @ w_c.T + b_c as one cuBLASLt GEMM (C = residual, BIAS epilogue; out a new
-    buffer): a (M, K), w_c (N, K), b_c (N,) and residual (M, N) contiguous, all in the compute
-    dtype. A residual that is not 16-byte aligned (which cublaslt.matmul refuses as C) gets addmm
-    + add. The c_proj of the MLP (above) and of attention (attention.proj_residual)."""
-    if residual.data_ptr() % 16:
-        return torch.addmm(b_c, a, w_c.t()).add_(residual)
-    out = torch.empty_like(residual)
-    return matmul(a, w_c.t(), out, bias=b_c, c=residual, beta=1.0, epilogue=EPI_BIAS)
-
-
-def half_compute_dtype(x):
-    """The dtype x's matmuls run in on CUDA (autocast's, else x's own) when it is bf16 or fp16,
-    else None: where the cuBLASLt and cuDNN paths of this package apply (model.py's fast paths)."""
-    dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
-    return dt if dt in (torch.bfloat16, torch.float16) else None
-
-
-def as_compute(w, cast, dt):
-    """w in the compute dtype dt: its kept cast when there is one in dt, else w.to(dt)."""
-    return cast if cast is not None and cast.dtype == dt else w.to(dt)
 
 
 def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None, casts=(None,) * 4):
