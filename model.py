@@ -109,7 +109,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         # (weight, bias) in bf16 when the optimizer keeps their casts (core/weight_casts.py)
-        self.c_attn.kept_casts = self.c_proj.kept_casts = (None, None)
+        self.c_attn.weight_casts = self.c_proj.weight_casts = (None, None)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
@@ -125,11 +125,11 @@ class CausalSelfAttention(nn.Module):
         if self.use_fast and cache is None:  # attention_fast: None where it does not apply
             c_attn, c_proj = self.c_attn, self.c_proj
             y = attention.attention_fast(
-                x, c_attn.weight, c_attn.bias, self.n_head, c_attn.kept_casts
+                x, c_attn.weight, c_attn.bias, self.n_head, c_attn.weight_casts
             )
             if y is not None and residual is not None:
                 out = attention.proj_residual_fast(
-                    y, c_proj.weight, c_proj.bias, residual, c_proj.kept_casts
+                    y, c_proj.weight, c_proj.bias, residual, c_proj.weight_casts
                 )
                 if out is not None:
                     return out
@@ -167,7 +167,7 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.c_fc.kept_casts = self.c_proj.kept_casts = (None, None)  # as CausalSelfAttention's
+        self.c_fc.weight_casts = self.c_proj.weight_casts = (None, None)  # as CausalSelfAttention's
         self.dropout = nn.Dropout(config.dropout)
         # Decided here, once: probing for libcublasLt (ctypes) inside the forward would break
         # torch.compile's graph (tests/test_model.py checks that the forward reaches no probe)
@@ -188,8 +188,8 @@ class MLP(nn.Module):
         if self.use_cublaslt and not decode:
             # dropout comes between c_proj and the residual add: with it on, the add stays here
             fused = residual if self.dropout.p == 0 or not self.training else None
-            casts = (*self.c_fc.kept_casts, *self.c_proj.kept_casts)
-            out = mlp_cublaslt(x, *w, residual=fused, casts=casts)
+            casts = (*self.c_fc.weight_casts, *self.c_proj.weight_casts)
+            out = mlp_cublaslt(x, *w, residual=fused, weight_casts=casts)
             if out is not None and fused is not None:
                 return out
         if out is None:  # the modules' own forwards: a Linear swapped for another (FP8) counts
@@ -270,7 +270,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied
-        self.lm_head.kept_casts = (None, None)  # the fused loss reads weight's (weight_casts.py)
+        self.lm_head.weight_casts = (None, None)  # the fused loss reads weight's (weight_casts.py)
         # the fused loss where the GPU runs it (kernels/fast_paths.py; the dtype: at each call)
         self.fused_loss = config.loss_impl == "fast" and (
             not torch.cuda.is_available() or gpu_runs("loss")
@@ -354,7 +354,7 @@ class GPT(nn.Module):
         if targets is not None:
             loss_fn, kw = linear_cross_entropy_reference, {}
             if self.fused_loss and dtype_runs("loss", compute_dtype(x)):
-                loss_fn, cast = fused_linear_cross_entropy, self.lm_head.kept_casts[0]
+                loss_fn, cast = fused_linear_cross_entropy, self.lm_head.weight_casts[0]
                 dev = x.device.type
                 low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
                 if cast is not None and low == cast.dtype:

@@ -79,7 +79,7 @@ def test_scaled_step_matches_unscaled_and_skips_inf(device, kind):
     casts = {}
     if kind == "multi_tensor":
         casts = {p: p.detach().half() for p in scaled}
-        opt.set_casts(casts)
+        opt.set_weight_casts(casts)
     scaler = LossScaler(torch.device(device), enabled=True)
     scaler.scale.fill_(1024.0)
     max_norm = 0.5 * torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item()

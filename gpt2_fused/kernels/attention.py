@@ -109,9 +109,9 @@ def _backward(ctx, dy, _dqkv, _dlse, _dseed, _doffset):
 attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention_fast(x, w, b, n_head, casts=(None, None)):
+def attention_fast(x, w, b, n_head, weight_casts=(None, None)):
     """y (B, T, C) before c_proj for x (B, T, C) on CUDA, in bf16/fp16 or under such autocast,
-    causal, no dropout; None where the op does not apply. casts: w's and b's kept casts, or
+    causal, no dropout; None where the op does not apply. weight_casts: w's and b's kept casts, or
     None (gemm.as_compute). Only tensor metadata is read here, so that Dynamo traces it into the
     graph."""
     if not x.is_cuda or b is None or x.dim() != 3:
@@ -121,7 +121,7 @@ def attention_fast(x, w, b, n_head, casts=(None, None)):
     hs = C // n_head
     if dt is None or C % n_head or hs % 8 or hs > 128:
         return None
-    w_c, b_c = (as_compute(t, c, dt) for t, c in zip((w, b), casts, strict=True))
+    w_c, b_c = (as_compute(t, c, dt) for t, c in zip((w, b), weight_casts, strict=True))
     y, *_ = attention(x.to(dt), w, w_c, b, b_c, n_head)
     return y
 
@@ -162,11 +162,11 @@ def _proj_backward(ctx, dout):
 proj_residual.register_autograd(_proj_backward, setup_context=_proj_setup)
 
 
-def proj_residual_fast(y, w, b, residual, casts=(None, None)):
+def proj_residual_fast(y, w, b, residual, weight_casts=(None, None)):
     """residual + c_proj(y) for y, residual (B, T, C) on CUDA in bf16/fp16 (or under such
     autocast), residual in the compute dtype; None where the op does not apply (the caller adds
-    residual + F.linear(y, w, b)); casts as attention_fast's. Only tensor metadata is read here
-    (Dynamo traces it)."""
+    residual + F.linear(y, w, b)); weight_casts as attention_fast's. Only tensor metadata is read
+    here (Dynamo traces it)."""
     if not y.is_cuda or b is None:
         return None
     dt = half_compute_dtype(y)
@@ -175,7 +175,7 @@ def proj_residual_fast(y, w, b, residual, casts=(None, None)):
     if residual.shape != y.shape or not residual.is_contiguous():
         return None
     C = y.shape[-1]
-    w_c, b_c = (as_compute(t, c, dt) for t, c in zip((w, b), casts, strict=True))
+    w_c, b_c = (as_compute(t, c, dt) for t, c in zip((w, b), weight_casts, strict=True))
     out = proj_residual(y.to(dt).reshape(-1, C), w, w_c, b, b_c, residual.view(-1, C))
     return out.view(residual.shape)
 

@@ -118,12 +118,12 @@ def _backward(ctx, dout, _dh, _da):
 mlp_gelu.register_autograd(_backward, setup_context=_setup_context)
 
 
-def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None, casts=(None,) * 4):
+def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None, weight_casts=(None,) * 4):
     """c_proj(gelu_tanh(c_fc(x))), plus residual if given (out's shape), for x (..., D) on CUDA,
     in bf16/fp16 or under such autocast; None where the epilogues do not apply (the caller then
-    runs residual + mlp_reference). casts: the parameters' casts to the compute dtype, in their
-    order, where the caller keeps them (gpt2_fused/core/weight_casts.py), else None: cast here.
-    Only tensor metadata is read here, so that Dynamo traces it into the graph."""
+    runs residual + mlp_reference). weight_casts: the parameters' casts to the compute dtype, in
+    their order, where the caller keeps them (gpt2_fused/core/weight_casts.py), else None: cast
+    here. Only tensor metadata is read here, so that Dynamo traces it into the graph."""
     if not x.is_cuda or b_fc is None or b_proj is None:
         return None
     dt = half_compute_dtype(x)
@@ -140,7 +140,7 @@ def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None, casts=(None,) * 4
     r = residual.view(-1, shape[-1]) if fused else None  # (M, D)
     params = (w_fc, b_fc, w_proj, b_proj)
     w_fc_c, b_fc_c, w_proj_c, b_proj_c = (
-        as_compute(t, c, dt) for t, c in zip(params, casts, strict=True)
+        as_compute(t, c, dt) for t, c in zip(params, weight_casts, strict=True)
     )
     out, _, _ = mlp_gelu(x, w_fc, w_fc_c, b_fc, b_fc_c, w_proj, w_proj_c, b_proj, b_proj_c, r)
     out = out.view(shape)
