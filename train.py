@@ -42,9 +42,9 @@ from gpt2_fused.core.compile_settings import compiler_settings, pick_mode, uses_
 from gpt2_fused.core.config import (
     ConfigError,
     TrainConfig,
-    grad_accum_steps,
     help_text,
     load_config,
+    tokens_per_step,
 )
 from gpt2_fused.core.errors import run_main
 from gpt2_fused.core.generate import generate
@@ -308,7 +308,7 @@ def main(argv=None, train_loader=DataLoader):
         shard.shard_model(raw_model)  # FSDP2 under shard="full", in place
         optimizer = shard.make_optimizer(raw_model, cfg, device)
         notes += memory.pick_batch(cfg, procs, raw_model, optimizer, dtype, card)
-        grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
+        tokens, grad_accum = tokens_per_step(cfg, world_size)
         per_layer = raw_model.flops_per_token() * cfg.batch_size * T / cfg.model.n_layer
         bucketed = procs.ddp and not data_parallel.graphs_fit(cfg)  # DDP's or FSDP2's all-reduces
         cfg.compile_mode = pick_mode(cfg.compile_mode, device, bucketed, per_layer)  # "auto"
@@ -334,15 +334,14 @@ def main(argv=None, train_loader=DataLoader):
         if cfg.fp8 == "off" and not shard.fully_sharded:  # last: the weights as resumed, broadcast
             weight_casts.attach(raw_model, optimizer, dtype)
 
-        tokens_per_step = cfg.batch_size * T * world_size * grad_accum
-        flops_per_step = raw_model.flops_per_token() * tokens_per_step
+        flops_per_step = raw_model.flops_per_token() * tokens
         notes += fast_path_notes(cfg, device, dtype)
         if procs.master:
             compile_mode = cfg.compile_mode if use_compile else False
             globs = (train_glob, val_glob)
-            print_start(cfg, procs, raw_model, dtype, compile_mode, grad_accum, globs, notes)
+            print_start(cfg, procs, raw_model, dtype, compile_mode, globs, notes)
             run_log.open(cfg, start_step, ConfigError)
-        meter = dict(tokens=tokens_per_step, flops=flops_per_step, launched=launched)
+        meter = dict(tokens=tokens, flops=flops_per_step, launched=launched)
         meter.update(first=start_step, peak=peak_flops(device_name(device), dtype))
         meter.update(compiled=use_compile and cfg.compile_mode)
         steps = StepLog(run_log, print0, cfg, world_size=world_size, **meter)

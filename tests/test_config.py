@@ -10,7 +10,14 @@ import torch
 
 import train
 from gpt2_fused.core import checkpoint, compile_settings, memory, optim
-from gpt2_fused.core.config import ConfigError, TrainConfig, flat, grad_accum_steps, load_config
+from gpt2_fused.core.config import (
+    ConfigError,
+    TrainConfig,
+    flat,
+    grad_accum_steps,
+    load_config,
+    tokens_per_step,
+)
 from gpt2_fused.core.errors import run_main
 from gpt2_fused.core.hardware import peak_flops
 from gpt2_fused.core.optim import get_lr
@@ -146,6 +153,15 @@ def test_grad_accum_steps():
     with pytest.raises(ConfigError) as e:  # 2 processes with the one-process total
         grad_accum_steps(128, 4, 32, 2)
     assert "total_batch_size=256 or batch_size=2" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tokens_per_step_is_the_micro_batches_of_every_process():
+    cfg = load_config(["--batch_size=4", "--block_size=32", "--total_batch_size=1024"])
+    assert tokens_per_step(cfg, 2) == (1024, 4)  # 4 * 32 * 2 tokens a micro-step, 4 of them
+    one = load_config(["--batch_size=4", "--block_size=32"])  # total_batch_size 0
+    assert tokens_per_step(one, 2) == (256, 1)
+    with pytest.raises(ConfigError, match="total_batch_size=1024 must be a multiple"):
+        tokens_per_step(cfg, 3)
 
 
 def test_errors_stop_main_before_training(tmp_path):

@@ -380,6 +380,16 @@ def load_config(argv):
     return cfg
 
 
+def tokens_per_step(cfg, world_size):
+    """(tokens an optimizer step trains on over all processes, micro-batches a process takes for
+    them): batch_size * block_size * world_size * grad_accum, which is total_batch_size, or one
+    micro-batch a process where that is 0. The start-up report, the step lines and a resume's
+    note all read it here; a ConfigError where the micro-batches cannot make it up."""
+    T = cfg.model.block_size
+    grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
+    return cfg.batch_size * T * world_size * grad_accum, grad_accum
+
+
 def grad_accum_steps(total_batch_size, batch_size, seq_len, world_size):
     """Micro-steps per optimizer step. total_batch_size 0 (the default) is one micro-batch per
     process: batch_size * seq_len * world_size tokens a step, whatever the number of processes."""
