@@ -5,10 +5,11 @@
     python train.py configs/finetune_gpt2.py          # from GPT-2's weights (--init_from)
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m_fineweb.py
 
-Settings are the fields of `TrainConfig` (gpt2_fused/core/config.py) and of the model's `GPTConfig`
-nested in it; a config file (Python, run with runpy: `name = value` lines) sets some of them, then
-`--name=value` or `--name value` arguments override (Python literals; core/cli.py). Checkpoints
-go to out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest one, with its model.
+Settings are the fields of `TrainConfig` (gpt2_fused/core/config.py) and of the model's
+`GPTConfig` nested in it; a config file (Python, run with runpy: `name = value` lines) sets some
+of them, then `--name=value` or `--name value` arguments override (Python literals;
+core/cli.py). Checkpoints go to out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest
+one, with its model.
 """
 
 import contextlib

@@ -15,8 +15,8 @@ and wait for each other; then they time one at a time (a lock), with the host ot
 --profile variants also print their top CUDA kernels over 3 profiled steps. Writes
 DIR/bench_fp8.json.
 
-The variants are what gpt2_fused/core/fp8.py could do with torchao's public float8 API, to choose
-among them; train.py's --fp8 runs "tensorwise" and "rowwise" as defined here.
+The variants are what gpt2_fused/core/fp8.py could do with torchao's public float8 API, to
+choose among them; train.py's --fp8 runs "tensorwise" and "rowwise" as defined here.
 """
 
 import argparse

@@ -1,7 +1,8 @@
-# GPT-2 124M on FineWeb sample-10BT with Muon for the blocks' matrices (gpt2_fused/core/muon.py):
-# llm.c's recipe (configs/gpt2_124m_fineweb.py) in fewer tokens. PROVISIONAL until measured: the
-# token cut assumes Muon's target of reaching AdamW's loss in 1.33x fewer tokens on the 2,000-step
-# Wikipedia pair (bench/quality_pair.sh), and muon_lr is nanochat's default, not yet swept here.
+# GPT-2 124M on FineWeb sample-10BT with Muon for the blocks' matrices
+# (gpt2_fused/core/muon.py): llm.c's recipe (configs/gpt2_124m_fineweb.py) in fewer tokens.
+# PROVISIONAL until measured: the token cut assumes Muon's target of reaching AdamW's loss in
+# 1.33x fewer tokens on the 2,000-step Wikipedia pair (bench/quality_pair.sh), and muon_lr is
+# nanochat's default, not yet swept here.
 #   18,865 AdamW steps / 1.33 = 14,184 steps x 524,288 tokens = 7.44B tokens (AdamW: 9.89B)
 # Data: python -m data.fineweb
 # Run:  torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m_fineweb_muon.py

@@ -1,8 +1,8 @@
-"""gpt2_fused/core/fp8.py (--fp8, on torchao's float8 training): the conversion swaps exactly the
-blocks' Linears, check() refuses a run that cannot use FP8 in one line, and checkpoints of FP8 runs
-hold plain tensors that load into plain and FP8 models alike. On CPU torchao converts, and even runs
-the FP8 GEMMs (torch 2.11, 2.13); on a GPU with FP8 tensor cores, 20 training steps with --fp8
-follow the bf16 run's losses."""
+"""gpt2_fused/core/fp8.py (--fp8, on torchao's float8 training): the conversion swaps exactly
+the blocks' Linears, check() refuses a run that cannot use FP8 in one line, and checkpoints of
+FP8 runs hold plain tensors that load into plain and FP8 models alike. On CPU torchao converts,
+and even runs the FP8 GEMMs (torch 2.11, 2.13); on a GPU with FP8 tensor cores, 20 training
+steps with --fp8 follow the bf16 run's losses."""
 
 import os
 import subprocess

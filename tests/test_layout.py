@@ -175,8 +175,9 @@ def test_the_wheel_imports_only_itself_the_standard_library_and_its_dependencies
 def test_the_wheel_check_sees_the_clone_and_an_undeclared_package(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(
-        "import torch\nimport model\nfrom gpt2_fused import core\nfrom gpt2_fused.kernels import"
-        " mlp\nimport yaml\nfrom gpt2_fused.core.errors import UsageError\n"
+        "import torch\nimport model\nfrom gpt2_fused import core\n"
+        "from gpt2_fused.kernels import mlp\nimport yaml\n"
+        "from gpt2_fused.core.errors import UsageError\n"
     )
     wrong = outside_the_wheel(bad, {"gpt2_fused", "gpt2_fused.kernels"}, {"torch"})
     assert wrong == [

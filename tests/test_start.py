@@ -1,5 +1,5 @@
-"""Where a run starts (gpt2_fused/core/start.py): --init_from's weights (an HF GPT-2 directory, a
-GPT-2 name in the local Hugging Face cache, one of our checkpoints or out_dirs) and --resume,
+"""Where a run starts (gpt2_fused/core/start.py): --init_from's weights (an HF GPT-2 directory,
+a GPT-2 name in the local Hugging Face cache, one of our checkpoints or out_dirs) and --resume,
 both taking the model's settings from their source, and the one-line errors around them.
 
 The reference for a run that starts from weights is transformers' GPT-2 reading the exported
