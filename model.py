@@ -8,7 +8,7 @@ for them, so sampling can never emit an id >= vocab_size.
 
 Training calls `GPT.forward(idx, targets)`, which computes the loss from the final hidden
 states with `fused_loss` and never builds the (B, T, V) logits. Generation
-(gpt2_fused/core/generate.py, which builds on this module; this one imports only the kernels)
+(gpt2_fused/training/generate.py, which builds on this module; this one imports only the kernels)
 runs the blocks through a KV cache on a separate path, `GPT.decode`, so the training forward is
 plain nanoGPT.
 """
@@ -108,7 +108,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        # (weight, bias) in bf16 when the optimizer keeps their casts (core/weight_casts.py)
+        # (weight, bias) in bf16 when the optimizer keeps their casts (training/weight_casts.py)
         self.c_attn.weight_casts = self.c_proj.weight_casts = (None, None)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
@@ -116,7 +116,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         # decided once, here (as MLP.use_cublaslt): no device probing inside the forward
         self.use_fast = config.attn_impl == "fast" and config.dropout == 0 and attention.available()
-        self.fp8_state = None  # an Fp8State under --fp8=fused (gpt2_fused/core/fp8.py)
+        self.fp8_state = None  # an Fp8State under --fp8=fused (gpt2_fused/training/fp8.py)
 
     def forward(self, x, cache=None, layer=0, residual=None):
         """The attention branch of x, plus residual when given (on the fast path, added in
@@ -150,7 +150,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             # the keys/values to attend to and a mask: a prefill gets its T new ones and None
             # (causal among them), a decoding step the whole static cache (B, nh, max_len, hs)
-            # and its additive mask (1, 1, 1, max_len) (gpt2_fused/core/generate.py)
+            # and its additive mask (1, 1, 1, max_len) (gpt2_fused/training/generate.py)
             k, v, mask = cache.read(layer) if stored else cache.update(layer, k, v)
         dropout_p = self.dropout if self.training else 0.0
         # without a cache always causal (T == 1 too: one query, one key), so that no SymBool
@@ -177,7 +177,7 @@ class MLP(nn.Module):
             and gpu_runs("mlp")
             and cublaslt.available()
         )
-        self.fp8_state = None  # an Fp8State under --fp8=fused (gpt2_fused/core/fp8.py)
+        self.fp8_state = None  # an Fp8State under --fp8=fused (gpt2_fused/training/fp8.py)
 
     def forward(self, x, decode=False, residual=None):
         """The MLP of x, plus residual when given (added in c_proj's epilogue where it can be)."""
@@ -400,7 +400,7 @@ class GPT(nn.Module):
         whose attention stores and reads keys and values through cache: cache.update(layer, k, v)
         and cache.read(layer) return (keys, values, additive mask or None), and cache.one_token
         says whether this is a decoding step of one token over a static cache
-        (gpt2_fused/core/generate.py). Returns the fp32 logits (B, vocab_size) of the last
+        (gpt2_fused/training/generate.py). Returns the fp32 logits (B, vocab_size) of the last
         position."""
         wpe = self.transformer.wpe.weight[pos]  # a slice is a view: no arange, no gather
         x = self._residual(self.transformer.drop(self.transformer.wte(idx) + wpe))

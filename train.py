@@ -5,10 +5,10 @@
     python train.py configs/finetune_gpt2.py          # from GPT-2's weights (--init_from)
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m_fineweb.py
 
-Settings are the fields of `TrainConfig` (gpt2_fused/core/config.py) and of the model's
+Settings are the fields of `TrainConfig` (gpt2_fused/training/config.py) and of the model's
 `GPTConfig` nested in it; a config file (Python, run with runpy: `name = value` lines) sets some
 of them, then `--name=value` or `--name value` arguments override (Python literals;
-core/cli.py). Checkpoints go to out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest
+training/cli.py). Checkpoints go to out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest
 one, with its model.
 """
 
@@ -27,7 +27,7 @@ from data import hellaswag
 from data.loader import DataLoader, iter_val_batches, open_data
 from data.shards import DataError
 from data.tokenizer import EOT, get_tokenizer
-from gpt2_fused.core import (
+from gpt2_fused.training import (
     compile_cache,
     data_parallel,
     distributed,
@@ -37,26 +37,33 @@ from gpt2_fused.core import (
     start,
     weight_casts,
 )
-from gpt2_fused.core.checkpoint import CheckpointError, newest_note, rng_state, save_checkpoint
-from gpt2_fused.core.compile_guard import check_training_step, compiled_loss_mismatch
-from gpt2_fused.core.compile_settings import compiler_settings, pick_mode, uses_cuda_graphs
-from gpt2_fused.core.config import (
+from gpt2_fused.training.checkpoint import CheckpointError, newest_note, rng_state, save_checkpoint
+from gpt2_fused.training.compile_guard import check_training_step, compiled_loss_mismatch
+from gpt2_fused.training.compile_settings import compiler_settings, pick_mode, uses_cuda_graphs
+from gpt2_fused.training.config import (
     ConfigError,
     TrainConfig,
     help_text,
     load_config,
     tokens_per_step,
 )
-from gpt2_fused.core.errors import run_main
-from gpt2_fused.core.generate import generate
-from gpt2_fused.core.hardware import fast_path_notes, peak_flops, resolve_dtype
-from gpt2_fused.core.loss_scale import LossScaler
-from gpt2_fused.core.optim import get_lr
-from gpt2_fused.core.runlog import LogError, RunLog, StepLog, StepStats, device_name, print_start
-from gpt2_fused.core.signals import StopFlag
+from gpt2_fused.training.errors import run_main
+from gpt2_fused.training.generate import generate
+from gpt2_fused.training.hardware import fast_path_notes, peak_flops, resolve_dtype
+from gpt2_fused.training.loss_scale import LossScaler
+from gpt2_fused.training.optim import get_lr
+from gpt2_fused.training.runlog import (
+    LogError,
+    RunLog,
+    StepLog,
+    StepStats,
+    device_name,
+    print_start,
+)
+from gpt2_fused.training.signals import StopFlag
 from model import GPT
 
-# errors the user can fix: one line (gpt2_fused/core/errors.py; GPT2_DEBUG=1: a traceback)
+# errors the user can fix: one line (gpt2_fused/training/errors.py; GPT2_DEBUG=1: a traceback)
 USER_ERRORS = {
     ConfigError: "config error",
     DataError: "data error",
@@ -201,7 +208,7 @@ def compile_and_wrap(run, use_compile, grad_accum):
 def train_step(run, step, grad_accum, stop, check):
     """One optimizer step over grad_accum micro-batches; returns its StepStats (read later).
     check: compare the first micro-batch's compiled loss with eager mode's before the update
-    (gpt2_fused/core/compile_guard.py)."""
+    (gpt2_fused/training/compile_guard.py)."""
     cfg, procs, optimizer = run.cfg, run.procs, run.optimizer
     device, ddp = procs.device, procs.ddp
     lr = get_lr(step, cfg)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gpt2_fused.core.compile_cache import use_keyed_cache
+from gpt2_fused.training.compile_cache import use_keyed_cache
 
 SHAPES = {"124M": (12, 768), "350M": (16, 1024), "774M": (20, 1280), "1558M": (25, 1600)}
 BACKENDS = {

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import graph_us
-from gpt2_fused.core.compile_settings import layernorm_split, triton_partial_sums
+from gpt2_fused.training.compile_settings import layernorm_split, triton_partial_sums
 
 VARIANTS = {"inductor": {}, "off": {"triton.mix_order_reduction": False}} | {
     f"split {n}": {"triton.mix_order_reduction_split_size": n} for n in (8, 16, 32, 64, 128)

@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from gpt2_fused.core.compile_cache import use_keyed_cache
 from gpt2_fused.kernels.fast_paths import gpu_runs
+from gpt2_fused.training.compile_cache import use_keyed_cache
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,7 +156,7 @@ def main():
 
             settings.enter_context(inductor_config.patch(**o["inductor"]))
         if o["trainer"]:
-            from gpt2_fused.core import compile_settings, config
+            from gpt2_fused.training import compile_settings, config
 
             trainer = config.TrainConfig(batch_size=args.batch)  # not "auto": the rows it runs
             trainer.model = model.config

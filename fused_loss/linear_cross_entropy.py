@@ -250,7 +250,7 @@ def lce_pass(
     dx (N, D) in x's dtype, dw (V, D) in w's dtype and db (V,) in bias's (empty without bias), the
     gradients of sum_n g_n loss_n. The GEMMs run in x's dtype: w is cast to it (a temporary copy
     when they differ, e.g. an fp32 master weight under autocast), or w_cast is that cast, kept
-    by the optimizer (gpt2_fused/core/weight_casts.py).
+    by the optimizer (gpt2_fused/training/weight_casts.py).
     """
     dw_dtype = w.dtype
     x = x.contiguous()
@@ -566,7 +566,7 @@ def fused_linear_cross_entropy(
     z_loss * lse^2 per counted token. label_smoothing: as F.cross_entropy's, over the vocab_size
     real columns. return_lse: also return lse (shape of targets, fp32, no gradient).
     weight_cast: None, or weight already cast to the GEMMs' dtype (the optimizer keeps it,
-    gpt2_fused/core/weight_casts.py), read in place of a fresh cast; the gradient still goes to
+    gpt2_fused/training/weight_casts.py), read in place of a fresh cast; the gradient still goes to
     weight. Under autocast the matmuls run in the autocast dtype, as F.linear would. Gradients
     come back in each input's own dtype. CUDA tensors run the Triton kernels; CPU tensors run
     them under the Triton interpreter when TRITON_INTERPRET=1, else the torch reference (as does

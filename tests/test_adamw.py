@@ -7,8 +7,8 @@ import pytest
 import torch
 from sm90 import compile_for_sm90, needs_nvidia_backend
 
-from gpt2_fused.core import optim
 from gpt2_fused.kernels.adamw import MultiTensorAdamW, adamw_reference, total_norm_reference
+from gpt2_fused.training import optim
 
 CUDA = pytest.param(
     "cuda",

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import train
-from gpt2_fused.core import checkpoint, compile_settings, memory, optim
-from gpt2_fused.core.config import (
+from gpt2_fused.training import checkpoint, compile_settings, memory, optim
+from gpt2_fused.training.config import (
     ConfigError,
     TrainConfig,
     flat,
@@ -18,9 +18,9 @@ from gpt2_fused.core.config import (
     load_config,
     tokens_per_step,
 )
-from gpt2_fused.core.errors import run_main
-from gpt2_fused.core.hardware import peak_flops
-from gpt2_fused.core.optim import get_lr
+from gpt2_fused.training.errors import run_main
+from gpt2_fused.training.hardware import peak_flops
+from gpt2_fused.training.optim import get_lr
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -234,7 +234,7 @@ def test_peak_flops_unknown_gpu_gives_no_mfu(name):
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*.py"))))
 def test_shipped_configs_load_and_divide(path):
     cfg = load_config([path])
-    assert cfg.batch_size == "auto"  # picked to fit the GPU (gpt2_fused/core/memory.py)
+    assert cfg.batch_size == "auto"  # picked to fit the GPU (gpt2_fused/training/memory.py)
     for world_size in (1, 8):  # the ladder's top rung allowed, and each divides the step
         T = cfg.model.block_size
         rungs = memory.allowed_rungs(cfg.total_batch_size, T, world_size)

@@ -11,12 +11,12 @@ import model as model_module
 import train
 from conftest import read_log
 from fused_loss import linear_cross_entropy as fl
-from gpt2_fused.core import optim
-from gpt2_fused.core.config import TrainConfig
-from gpt2_fused.core.hardware import fast_path_notes
 from gpt2_fused.kernels import fast_paths
 from gpt2_fused.kernels.adamw import MultiTensorAdamW
 from gpt2_fused.kernels.launch import FORCE_CAPABILITY, capability
+from gpt2_fused.training import optim
+from gpt2_fused.training.config import TrainConfig
+from gpt2_fused.training.hardware import fast_path_notes
 from model import GPT, GPTConfig
 
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU

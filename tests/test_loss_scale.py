@@ -1,4 +1,4 @@
-"""float16 training: dtype=auto's choice, the loss scale (gpt2_fused/core/loss_scale.py) in the
+"""float16 training: dtype=auto's choice, the loss scale (gpt2_fused/training/loss_scale.py) in the
 clipped step of each AdamW, skipped steps in the log, the scale in checkpoints and resumes, and
 the fused loss's gradients under fp16. On CPU through torch's fp16 autocast (and the Triton
 interpreter); the GPU cases at the end."""
@@ -10,11 +10,11 @@ import torch
 
 import train
 from conftest import read_log
-from gpt2_fused.core import hardware, loss_scale, optim
-from gpt2_fused.core.config import ConfigError
-from gpt2_fused.core.loss_scale import LossScaler
-from gpt2_fused.core.runlog import read_jsonl
 from gpt2_fused.kernels.adamw import MultiTensorAdamW
+from gpt2_fused.training import hardware, loss_scale, optim
+from gpt2_fused.training.config import ConfigError
+from gpt2_fused.training.loss_scale import LossScaler
+from gpt2_fused.training.runlog import read_jsonl
 
 CUDA = pytest.param(
     "cuda",

@@ -21,9 +21,9 @@ import torch
 import sample
 import train
 from conftest import TINY, read_log, read_norms
-from gpt2_fused.core import data_parallel
-from gpt2_fused.core.config import ConfigError, TrainConfig
-from gpt2_fused.core.distributed import Processes
+from gpt2_fused.training import data_parallel
+from gpt2_fused.training.config import ConfigError, TrainConfig
+from gpt2_fused.training.distributed import Processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 20

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.fx
 
-from gpt2_fused.core import compile_settings, config
+from gpt2_fused.training import compile_settings, config
 from model import GPT, GPTConfig
 
 SHAPE = dict(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=500, padded_vocab_size=512)

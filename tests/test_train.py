@@ -19,11 +19,11 @@ import train
 from conftest import LOSS_PNG, read_log, read_norms
 from data import resolve_dataset
 from data.loader import iter_val_batches
-from gpt2_fused.core import compile_guard, compile_settings, config, kept_grads, model_io
-from gpt2_fused.core.checkpoint import list_checkpoints
-from gpt2_fused.core.compile_guard import CompileMismatch
-from gpt2_fused.core.jsonl import read_jsonl
-from gpt2_fused.core.runlog import RunLog, StepLog, StepStats
+from gpt2_fused.training import compile_guard, compile_settings, config, kept_grads, model_io
+from gpt2_fused.training.checkpoint import list_checkpoints
+from gpt2_fused.training.compile_guard import CompileMismatch
+from gpt2_fused.training.jsonl import read_jsonl
+from gpt2_fused.training.runlog import RunLog, StepLog, StepStats
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -436,7 +436,7 @@ def test_plot_loss(tiny_args, tmp_path, capsys):
 
 def test_loss_curve_without_matplotlib_names_the_command(tmp_path, monkeypatch):
     """Without matplotlib the run's last line is the command that draws the curve."""
-    from gpt2_fused.core import plot
+    from gpt2_fused.training import plot
 
     (tmp_path / "log.jsonl").write_text('{"step": 0, "loss": 6.0}\n')
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # its import now fails
@@ -1063,7 +1063,7 @@ def test_gpu_compiled_xl_width_step_matches_eager(loss_impl):
 
 _HEAP_PROBE = """
 import ctypes, sys, torch
-from gpt2_fused.core import hardware
+from gpt2_fused.training import hardware
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33, <malloc.h>
     _names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
     _fields_ = [(name, ctypes.c_size_t) for name in _names.split()]

@@ -1,11 +1,11 @@
-"""gpt2_fused/core/weight_casts.py: the matmul parameters' bf16 casts kept by MultiTensorAdamW,
+"""gpt2_fused/training/weight_casts.py: the matmul parameters' bf16 casts kept by MultiTensorAdamW,
 against the casts the forward makes per call (the path without them)."""
 
 import pytest
 import torch
 
-from gpt2_fused.core import weight_casts
 from gpt2_fused.kernels.adamw import MultiTensorAdamW
+from gpt2_fused.training import weight_casts
 from model import GPT, GPTConfig
 
 KW = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, padded_vocab_size=64)

@@ -18,12 +18,12 @@ Per parameter (fp32 throughout; torch's fused AdamW's order of operations):
 Bytes per parameter: 28 (reads p g m v, writes p m v); the grads are not written back (torch's
 fused step with grad_scale stores the scaled grads). total_norm reads the grads once more (4).
 `found_inf` (a device scalar, as torch's fused AdamW takes it from GradScaler) skips the update
-where it is non-zero: fp16's loss scaling, gpt2_fused/core/loss_scale.py. Unlike torch's, the
+where it is non-zero: fp16's loss scaling, gpt2_fused/training/loss_scale.py. Unlike torch's, the
 step count t still advances on a skipped step (it is a host number; taking it back would read
 the GPU).
 `weight_casts` (param -> a bf16/fp16 tensor of its shape) adds a fifth row of addresses: the kernel
 also writes p's cast to the compute dtype there (2 bytes), the copy the forward's matmuls read
-instead of casting the weight every micro-batch (6 bytes; gpt2_fused/core/weight_casts.py).
+instead of casting the weight every micro-batch (6 bytes; gpt2_fused/training/weight_casts.py).
 The state is torch.optim.AdamW's (exp_avg, exp_avg_sq, a CPU float32 step), so checkpoints move
 between the two. adamw_reference and total_norm_reference are the same in plain torch (and
 tests/test_adamw.py also checks against torch.optim.AdamW).

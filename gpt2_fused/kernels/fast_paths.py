@@ -21,7 +21,7 @@ Why each bound:
   tests/test_fast_paths.py). The epilogue's E reaches e^60, past fp16
   (linear_cross_entropy.use_single_read): bf16 only. The other paths take fp16 as torch's ops do
   (their GEMMs accumulate in fp32, the upstream gradient arrives scaled).
-- fp8 (--fp8, gpt2_fused/core/fp8.py): FP8 tensor cores, sm_89 and later; a run that asks for it
+- fp8 (--fp8, gpt2_fused/training/fp8.py): FP8 tensor cores, sm_89 and later; a run that asks for it
   on an older GPU stops with one line instead of falling back.
 """
 

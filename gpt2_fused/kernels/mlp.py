@@ -122,7 +122,7 @@ def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None, weight_casts=(Non
     """c_proj(gelu_tanh(c_fc(x))), plus residual if given (out's shape), for x (..., D) on CUDA,
     in bf16/fp16 or under such autocast; None where the epilogues do not apply (the caller then
     runs residual + mlp_reference). weight_casts: the parameters' casts to the compute dtype, in
-    their order, where the caller keeps them (gpt2_fused/core/weight_casts.py), else None: cast
+    their order, where the caller keeps them (gpt2_fused/training/weight_casts.py), else None: cast
     here. Only tensor metadata is read here, so that Dynamo traces it into the graph."""
     if not x.is_cuda or b_fc is None or b_proj is None:
         return None

@@ -6,10 +6,10 @@ import math
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from gpt2_fused.core.config import ConfigError
-from gpt2_fused.core.muon import muon_parts
 from gpt2_fused.kernels.adamw import MultiTensorAdamW
 from gpt2_fused.kernels.fast_paths import gpu_runs
+from gpt2_fused.training.config import ConfigError
+from gpt2_fused.training.muon import muon_parts
 
 
 def adamw_parts(model, cfg, device):

@@ -37,11 +37,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from gpt2_fused.core.compile_settings import uses_cuda_graphs
-from gpt2_fused.core.config import ConfigError
-from gpt2_fused.core.kept_grads import KeptGrads
-from gpt2_fused.core.muon import Muon
-from gpt2_fused.core.optim import (
+from gpt2_fused.training.compile_settings import uses_cuda_graphs
+from gpt2_fused.training.config import ConfigError
+from gpt2_fused.training.kept_grads import KeptGrads
+from gpt2_fused.training.muon import Muon
+from gpt2_fused.training.optim import (
     build_optimizer,
     clipped_step,
     load_optimizer_state,

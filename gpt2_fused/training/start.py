@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from gpt2_fused.core.checkpoint import (
+from gpt2_fused.training.checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_for_resume,
     set_rng_state,
 )
-from gpt2_fused.core.config import PRESET_NAME, ConfigError, TrainConfig, tokens_per_step
-from gpt2_fused.core.model_io import (
+from gpt2_fused.training.config import PRESET_NAME, ConfigError, TrainConfig, tokens_per_step
+from gpt2_fused.training.model_io import (
     HF_GPT2,
     cached_hf,
     checkpoint_settings,

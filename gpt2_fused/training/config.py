@@ -19,10 +19,10 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field, replace
 
-from gpt2_fused.core import cli
-from gpt2_fused.core.compile_settings import BUFFER_REUSE, COMPILE_MODES
-from gpt2_fused.core.errors import UsageError
-from gpt2_fused.core.fp8 import RECIPES as FP8_RECIPES
+from gpt2_fused.training import cli
+from gpt2_fused.training.compile_settings import BUFFER_REUSE, COMPILE_MODES
+from gpt2_fused.training.errors import UsageError
+from gpt2_fused.training.fp8 import RECIPES as FP8_RECIPES
 from model import IMPLS, GPTConfig, setting
 
 
@@ -53,10 +53,10 @@ class TrainConfig:
     model: GPTConfig = field(default_factory=small_model)
     adamw_impl: str = setting("fast", '"fast": one Triton launch (CUDA fp32); "torch": torch.optim')
     # the blocks' Linears on FP8 tensor cores, through torchao or our kernels' casts
-    # (gpt2_fused/core/fp8.py); lm_head stays bf16
+    # (gpt2_fused/training/fp8.py); lm_head stays bf16
     fp8: str = setting("off", '"off", "tensorwise", "rowwise" (torchao) or "fused": FP8 GEMMs')
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
-    # "auto": the largest of 64, 32, ..., 1 that fits the GPU (8 on a CPU; core/memory.py)
+    # "auto": the largest of 64, 32, ..., 1 that fits the GPU (8 on a CPU; training/memory.py)
     batch_size: int | str = setting("auto", 'micro-batch per process (sequences), or "auto"')
     total_batch_size: int = setting(0, "tokens a step over all processes (0: one micro-batch each)")
     max_steps: int = setting(300, "optimizer steps")
@@ -68,7 +68,7 @@ class TrainConfig:
     beta1: float = setting(0.9, "AdamW beta1")
     beta2: float = setting(0.95, "AdamW beta2")
     grad_clip: float = setting(1.0, "max global grad norm (0: no clipping)")
-    # "muon" (gpt2_fused/core/muon.py): the blocks' matrices take Muon at muon_lr (the same
+    # "muon" (gpt2_fused/training/muon.py): the blocks' matrices take Muon at muon_lr (the same
     # warmup and cosine); wte, wpe, gains and biases keep AdamW at learning_rate, on torch's
     # AdamW whatever adamw_impl says. Defaults as nanochat's and modded-nanogpt's, for 124M-1558M
     optimizer: str = setting("adamw", '"adamw" or "muon" (Muon for the blocks\' matrices)')
@@ -92,7 +92,7 @@ class TrainConfig:
     keep_last: int = setting(2, "checkpoints kept, the newest (0: all; 1: no fallback)")
     resume: bool = setting(False, "continue from the newest checkpoint in out_dir")
     # the weights (and so the model's shape) a run that does not resume starts from
-    # (gpt2_fused/core/start.py)
+    # (gpt2_fused/training/start.py)
     init_from: str = setting(
         "scratch", '"scratch", "gpt2"..."gpt2-xl" (HF cache), an HF dir, a checkpoint or out_dir'
     )
@@ -259,7 +259,7 @@ class TrainConfig:
             )
 
 
-SHARD_MODES = ("none", "optimizer", "full")  # gpt2_fused/core/data_parallel.py's classes
+SHARD_MODES = ("none", "optimizer", "full")  # gpt2_fused/training/data_parallel.py's classes
 PRESET_NAME = "model"  # the key that names a preset instead of a field
 
 

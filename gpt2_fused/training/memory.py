@@ -46,11 +46,11 @@ import re
 import torch
 import torch.distributed as dist
 
-from gpt2_fused.core.checkpoint import newest_note
-from gpt2_fused.core.compile_settings import pick_mode, uses_cuda_graphs
-from gpt2_fused.core.config import ConfigError
-from gpt2_fused.core.data_parallel import graphs_fit, sums_at_step
-from gpt2_fused.core.optim import local_optimizer
+from gpt2_fused.training.checkpoint import newest_note
+from gpt2_fused.training.compile_settings import pick_mode, uses_cuda_graphs
+from gpt2_fused.training.config import ConfigError
+from gpt2_fused.training.data_parallel import graphs_fit, sums_at_step
+from gpt2_fused.training.optim import local_optimizer
 
 CAP_ENV = "GPT2_FUSED_GPU_GB"
 LADDER = (64, 32, 16, 8, 4, 2, 1)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
-from gpt2_fused.core.hardware import resolve_dtype
+from gpt2_fused.training.hardware import resolve_dtype
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # a, b, c of a s + b s^3 + c s^5
 NS_STEPS = 5

@@ -9,10 +9,10 @@ import time
 
 import torch
 
-from gpt2_fused.core.checkpoint import newest_note
-from gpt2_fused.core.compile_settings import uses_cuda_graphs
-from gpt2_fused.core.config import flat, tokens_per_step
-from gpt2_fused.core.jsonl import read_jsonl
+from gpt2_fused.training.checkpoint import newest_note
+from gpt2_fused.training.compile_settings import uses_cuda_graphs
+from gpt2_fused.training.config import flat, tokens_per_step
+from gpt2_fused.training.jsonl import read_jsonl
 
 
 class StepStats:
