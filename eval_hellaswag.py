@@ -9,9 +9,9 @@ torchrun --standalone --nproc_per_node=8 eval_hellaswag.py --ckpt out/
 import torch
 
 from data import hellaswag
-from gpt2_fused.core import cli, distributed, model_io
-from gpt2_fused.core.device import resolve_dtype
-from gpt2_fused.core.errors import UsageError, run_main
+from gpt2_fused.training import cli, distributed, model_io
+from gpt2_fused.training.errors import UsageError, run_main
+from gpt2_fused.training.hardware import resolve_dtype
 
 
 def parse_args(argv=None):

@@ -8,7 +8,7 @@ for them, so sampling can never emit an id >= vocab_size.
 
 Training calls `GPT.forward(idx, targets)`, which computes the loss from the final hidden
 states with `fused_loss` and never builds the (B, T, V) logits. Generation
-(gpt2_fused/core/generate.py, which builds on this module; this one imports only the kernels)
+(gpt2_fused/training/generate.py, which builds on this module; this one imports only the kernels)
 runs the blocks through a KV cache on a separate path, `GPT.decode`, so the training forward is
 plain nanoGPT.
 """
@@ -108,15 +108,15 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        # (weight, bias) in bf16 when the optimizer keeps their casts (core/weight_casts.py)
-        self.c_attn.kept_casts = self.c_proj.kept_casts = (None, None)
+        # (weight, bias) in bf16 when the optimizer keeps their casts (training/weight_casts.py)
+        self.c_attn.weight_casts = self.c_proj.weight_casts = (None, None)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
         # decided once, here (as MLP.use_cublaslt): no device probing inside the forward
         self.use_fast = config.attn_impl == "fast" and config.dropout == 0 and attention.available()
-        self.fp8_state = None  # an Fp8State under --fp8=fused (gpt2_fused/core/fp8.py)
+        self.fp8_state = None  # an Fp8State under --fp8=fused (gpt2_fused/training/fp8.py)
 
     def forward(self, x, cache=None, layer=0, residual=None):
         """The attention branch of x, plus residual when given (on the fast path, added in
@@ -125,11 +125,11 @@ class CausalSelfAttention(nn.Module):
         if self.use_fast and cache is None:  # attention_fast: None where it does not apply
             c_attn, c_proj = self.c_attn, self.c_proj
             y = attention.attention_fast(
-                x, c_attn.weight, c_attn.bias, self.n_head, c_attn.kept_casts
+                x, c_attn.weight, c_attn.bias, self.n_head, c_attn.weight_casts
             )
             if y is not None and residual is not None:
                 out = attention.proj_residual_fast(
-                    y, c_proj.weight, c_proj.bias, residual, c_proj.kept_casts
+                    y, c_proj.weight, c_proj.bias, residual, c_proj.weight_casts
                 )
                 if out is not None:
                     return out
@@ -150,7 +150,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             # the keys/values to attend to and a mask: a prefill gets its T new ones and None
             # (causal among them), a decoding step the whole static cache (B, nh, max_len, hs)
-            # and its additive mask (1, 1, 1, max_len) (gpt2_fused/core/generate.py)
+            # and its additive mask (1, 1, 1, max_len) (gpt2_fused/training/generate.py)
             k, v, mask = cache.read(layer) if stored else cache.update(layer, k, v)
         dropout_p = self.dropout if self.training else 0.0
         # without a cache always causal (T == 1 too: one query, one key), so that no SymBool
@@ -167,7 +167,7 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.c_fc.kept_casts = self.c_proj.kept_casts = (None, None)  # as CausalSelfAttention's
+        self.c_fc.weight_casts = self.c_proj.weight_casts = (None, None)  # as CausalSelfAttention's
         self.dropout = nn.Dropout(config.dropout)
         # Decided here, once: probing for libcublasLt (ctypes) inside the forward would break
         # torch.compile's graph (tests/test_model.py checks that the forward reaches no probe)
@@ -177,7 +177,7 @@ class MLP(nn.Module):
             and gpu_runs("mlp")
             and cublaslt.available()
         )
-        self.fp8_state = None  # an Fp8State under --fp8=fused (gpt2_fused/core/fp8.py)
+        self.fp8_state = None  # an Fp8State under --fp8=fused (gpt2_fused/training/fp8.py)
 
     def forward(self, x, decode=False, residual=None):
         """The MLP of x, plus residual when given (added in c_proj's epilogue where it can be)."""
@@ -188,8 +188,8 @@ class MLP(nn.Module):
         if self.use_cublaslt and not decode:
             # dropout comes between c_proj and the residual add: with it on, the add stays here
             fused = residual if self.dropout.p == 0 or not self.training else None
-            casts = (*self.c_fc.kept_casts, *self.c_proj.kept_casts)
-            out = mlp_cublaslt(x, *w, residual=fused, casts=casts)
+            casts = (*self.c_fc.weight_casts, *self.c_proj.weight_casts)
+            out = mlp_cublaslt(x, *w, residual=fused, weight_casts=casts)
             if out is not None and fused is not None:
                 return out
         if out is None:  # the modules' own forwards: a Linear swapped for another (FP8) counts
@@ -270,7 +270,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied
-        self.lm_head.kept_casts = (None, None)  # the fused loss reads weight's (weight_casts.py)
+        self.lm_head.weight_casts = (None, None)  # the fused loss reads weight's (weight_casts.py)
         # the fused loss where the GPU runs it (kernels/fast_paths.py; the dtype: at each call)
         self.fused_loss = config.loss_impl == "fast" and (
             not torch.cuda.is_available() or gpu_runs("loss")
@@ -354,7 +354,7 @@ class GPT(nn.Module):
         if targets is not None:
             loss_fn, kw = linear_cross_entropy_reference, {}
             if self.fused_loss and dtype_runs("loss", compute_dtype(x)):
-                loss_fn, cast = fused_linear_cross_entropy, self.lm_head.kept_casts[0]
+                loss_fn, cast = fused_linear_cross_entropy, self.lm_head.weight_casts[0]
                 dev = x.device.type
                 low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
                 if cast is not None and low == cast.dtype:
@@ -400,7 +400,7 @@ class GPT(nn.Module):
         whose attention stores and reads keys and values through cache: cache.update(layer, k, v)
         and cache.read(layer) return (keys, values, additive mask or None), and cache.one_token
         says whether this is a decoding step of one token over a static cache
-        (gpt2_fused/core/generate.py). Returns the fp32 logits (B, vocab_size) of the last
+        (gpt2_fused/training/generate.py). Returns the fp32 logits (B, vocab_size) of the last
         position."""
         wpe = self.transformer.wpe.weight[pos]  # a slice is a view: no arange, no gather
         x = self._residual(self.transformer.drop(self.transformer.wte(idx) + wpe))

@@ -6,7 +6,7 @@
 
 With no prompt, samples start from <|endoftext|>, as GPT-2's unconditional samples do.
 Generation uses a static KV cache and, on CUDA, a one-token step replayed as a CUDA graph
-(--decode, gpt2_fused/core/generate.py); past block_size the context is cropped to the last
+(--decode, gpt2_fused/training/generate.py); past block_size the context is cropped to the last
 block_size tokens. A --ckpt directory whose newest checkpoint does not load falls back to the
 one before it, naming the file it skipped.
 The same --seed on the same device gives the same text. One sample is printed as its tokens
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from gpt2_fused.core import cli, generate, model_io
-from gpt2_fused.core.device import DTYPES, pick_device, resolve_dtype
-from gpt2_fused.core.errors import UsageError, run_main
+from gpt2_fused.training import cli, generate, model_io
+from gpt2_fused.training.errors import UsageError, run_main
+from gpt2_fused.training.hardware import DTYPES, pick_device, resolve_dtype
 
 
-# errors the user can fix: one line each (gpt2_fused/core/errors.py), the path named
+# errors the user can fix: one line each (gpt2_fused/training/errors.py), the path named
 def parse_args(argv=None):
     p = cli.ArgumentParser(description=__doc__)
     src = p.add_mutually_exclusive_group(required=True)
@@ -52,7 +52,7 @@ def parse_args(argv=None):
         "--decode",
         default="auto",
         choices=["auto", *generate.MODES],
-        help="auto: graph on CUDA, eager on CPU (gpt2_fused/core/generate.py)",
+        help="auto: graph on CUDA, eager on CPU (gpt2_fused/training/generate.py)",
     )
     args = p.parse_args(argv)
     if args.num_samples < 1:

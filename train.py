@@ -5,10 +5,11 @@
     python train.py configs/finetune_gpt2.py          # from GPT-2's weights (--init_from)
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m_fineweb.py
 
-Settings are the fields of `TrainConfig` (gpt2_fused/core/config.py) and of the model's `GPTConfig`
-nested in it; a config file (Python, run with runpy: `name = value` lines) sets some of them, then
-`--name=value` or `--name value` arguments override (Python literals; core/cli.py). Checkpoints
-go to out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest one, with its model.
+Settings are the fields of `TrainConfig` (gpt2_fused/training/config.py) and of the model's
+`GPTConfig` nested in it; a config file (Python, run with runpy: `name = value` lines) sets some
+of them, then `--name=value` or `--name value` arguments override (Python literals;
+training/cli.py). Checkpoints go to out_dir/ckpt_{step:07d}.pt; `--resume` continues from the newest
+one, with its model.
 """
 
 import contextlib
@@ -26,41 +27,43 @@ from data import hellaswag
 from data.loader import DataLoader, iter_val_batches, open_data
 from data.shards import DataError
 from data.tokenizer import EOT, get_tokenizer
-from gpt2_fused.core import (
+from gpt2_fused.training import (
     compile_cache,
+    data_parallel,
     distributed,
     fp8,
     memory,
     plot,
-    sharding,
     start,
     weight_casts,
 )
-from gpt2_fused.core.checkpoint import CheckpointError, newest_note, rng_state, save_checkpoint
-from gpt2_fused.core.compile_guard import (
-    check_training_step,
-    compiled_loss_mismatch,
-    compiler_settings,
-    pick_mode,
-    uses_cuda_graphs,
-)
-from gpt2_fused.core.config import (
+from gpt2_fused.training.checkpoint import CheckpointError, newest_note, rng_state, save_checkpoint
+from gpt2_fused.training.compile_guard import check_training_step, compiled_loss_mismatch
+from gpt2_fused.training.compile_settings import compiler_settings, pick_mode, uses_cuda_graphs
+from gpt2_fused.training.config import (
     ConfigError,
     TrainConfig,
-    grad_accum_steps,
     help_text,
     load_config,
+    tokens_per_step,
 )
-from gpt2_fused.core.device import fast_path_notes, peak_flops, resolve_dtype
-from gpt2_fused.core.errors import run_main
-from gpt2_fused.core.generate import generate
-from gpt2_fused.core.loss_scale import LossScaler
-from gpt2_fused.core.optim import get_lr
-from gpt2_fused.core.runlog import LogError, RunLog, StepLog, StepStats, device_name, print_start
-from gpt2_fused.core.signals import StopFlag
+from gpt2_fused.training.errors import run_main
+from gpt2_fused.training.generate import generate
+from gpt2_fused.training.hardware import fast_path_notes, peak_flops, resolve_dtype
+from gpt2_fused.training.loss_scale import LossScaler
+from gpt2_fused.training.optim import get_lr
+from gpt2_fused.training.runlog import (
+    LogError,
+    RunLog,
+    StepLog,
+    StepStats,
+    device_name,
+    print_start,
+)
+from gpt2_fused.training.signals import StopFlag
 from model import GPT
 
-# errors the user can fix: one line (gpt2_fused/core/errors.py; GPT2_DEBUG=1: a traceback)
+# errors the user can fix: one line (gpt2_fused/training/errors.py; GPT2_DEBUG=1: a traceback)
 USER_ERRORS = {
     ConfigError: "config error",
     DataError: "data error",
@@ -81,7 +84,7 @@ class Run:
     val_glob: str
     dtype: torch.dtype  # of the matmuls: bf16 or fp16 under autocast, else fp32
     print0: callable
-    shard: sharding.DataParallel  # the sharding mode's object: DDP, ZeRO-1 or FSDP2
+    shard: data_parallel.DataParallel  # the sharding mode's object: DDP, ZeRO-1 or FSDP2
     scaler: LossScaler  # fp16's loss scale; disabled in other dtypes
     model: torch.nn.Module = None  # evaluates: compiled, or raw_model once a compiled graph failed
     train_model: torch.nn.Module = None  # model, in DDP under torchrun
@@ -184,7 +187,7 @@ def compile_and_wrap(run, use_compile, grad_accum):
     cfg, procs, raw_model = run.cfg, run.procs, run.raw_model
     compiled = functools.partial(torch.compile, mode=cfg.compile_mode)
     graphs = use_compile and uses_cuda_graphs(cfg.compile_mode)
-    if sharding.sums_at_step(cfg, procs, graphs):
+    if data_parallel.sums_at_step(cfg, procs, graphs):
         run.shard.sync_at_step(raw_model, graphs)  # keeps the grads itself
     elif graphs and grad_accum > 1:
         run.shard.keep_grads(raw_model, graphs)
@@ -205,7 +208,7 @@ def compile_and_wrap(run, use_compile, grad_accum):
 def train_step(run, step, grad_accum, stop, check):
     """One optimizer step over grad_accum micro-batches; returns its StepStats (read later).
     check: compare the first micro-batch's compiled loss with eager mode's before the update
-    (gpt2_fused/core/compile_guard.py)."""
+    (gpt2_fused/training/compile_guard.py)."""
     cfg, procs, optimizer = run.cfg, run.procs, run.optimizer
     device, ddp = procs.device, procs.ddp
     lr = get_lr(step, cfg)
@@ -282,7 +285,7 @@ def main(argv=None, train_loader=DataLoader):
     try:  # the model's settings from the checkpoint resumed or the weights of init_from
         begin = start.find(cfg, procs, print0)
         cfg = begin.cfg
-        shard = sharding.mode(cfg, procs)  # a combination that does not run stops here
+        shard = data_parallel.mode(cfg, procs)  # a combination that does not run stops here
         notes = shard.notes  # the start-up report's (shard.sync_at_step adds to it too)
         notes += begin.notes
         T = cfg.model.block_size
@@ -313,9 +316,9 @@ def main(argv=None, train_loader=DataLoader):
         shard.shard_model(raw_model)  # FSDP2 under shard="full", in place
         optimizer = shard.make_optimizer(raw_model, cfg, device)
         notes += memory.pick_batch(cfg, procs, raw_model, optimizer, dtype, card)
-        grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
+        tokens, grad_accum = tokens_per_step(cfg, world_size)
         per_layer = raw_model.flops_per_token() * cfg.batch_size * T / cfg.model.n_layer
-        bucketed = procs.ddp and not sharding.graphs_fit(cfg)  # DDP's or FSDP2's all-reduces
+        bucketed = procs.ddp and not data_parallel.graphs_fit(cfg)  # DDP's or FSDP2's all-reduces
         cfg.compile_mode = pick_mode(cfg.compile_mode, device, bucketed, per_layer)  # "auto"
         loader, train_glob, val_glob = open_data(cfg, train_loader, procs)
         run = Run(cfg, procs, raw_model, optimizer, loader, val_glob, dtype, print0, shard, scaler)
@@ -339,15 +342,14 @@ def main(argv=None, train_loader=DataLoader):
         if cfg.fp8 == "off" and not shard.fully_sharded:  # last: the weights as resumed, broadcast
             weight_casts.attach(raw_model, optimizer, dtype)
 
-        tokens_per_step = cfg.batch_size * T * world_size * grad_accum
-        flops_per_step = raw_model.flops_per_token() * tokens_per_step
+        flops_per_step = raw_model.flops_per_token() * tokens
         notes += fast_path_notes(cfg, device, dtype)
         if procs.master:
             compile_mode = cfg.compile_mode if use_compile else False
             globs = (train_glob, val_glob)
-            print_start(cfg, procs, raw_model, dtype, compile_mode, grad_accum, globs, notes)
+            print_start(cfg, procs, raw_model, dtype, compile_mode, globs, notes)
             run_log.open(cfg, start_step, ConfigError)
-        meter = dict(tokens=tokens_per_step, flops=flops_per_step, launched=launched)
+        meter = dict(tokens=tokens, flops=flops_per_step, launched=launched)
         meter.update(first=start_step, peak=peak_flops(device_name(device), dtype))
         meter.update(compiled=use_compile and cfg.compile_mode)
         steps = StepLog(run_log, print0, cfg, world_size=world_size, **meter)
@@ -358,7 +360,7 @@ def main(argv=None, train_loader=DataLoader):
         loop(run, start_step, grad_accum, stop, steps, run_log, check_training)
 
         # --- teardown
-        sharding.report_state(optimizer, procs, print0)
+        data_parallel.report_state(optimizer, procs, print0)
         if device.type == "cuda":
             gib = torch.cuda.max_memory_allocated(device) / 2**30
             print0(f"peak GPU memory allocated: {gib:.2f} GiB" + (" (rank 0)" if procs.ddp else ""))

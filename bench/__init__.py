@@ -13,7 +13,7 @@ several share from bench.common, never from one another. Their results go to ben
     host_cost           host time per call of each custom op and the pieces inside them
     bench_mlp           GPT-2's MLP: torch (eager, compiled) against the cuBLASLt-epilogue op
     bench_attention     causal attention per SDPA backend; --branch: the attention op against torch
-    bench_colsum        the bias-gradient column sums against torch
+    bench_grad_sums     the bias-gradient column sums against torch
     bench_layernorm_grad  a LayerNorm's fwd+bwd per Inductor mix-order split size
     bench_gemv          the batch-1 decoding GEMV with its weights from HBM
     bench_adamw         the optimizer step against its memory floor

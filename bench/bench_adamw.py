@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpt2_fused.core import optim
 from gpt2_fused.kernels.adamw import MultiTensorAdamW
+from gpt2_fused.training import optim
 from model import GPT, GPTConfig
 
 PRESETS = ("124M", "350M", "774M", "1558M")

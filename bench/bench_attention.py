@@ -13,7 +13,7 @@ Prints a table last. On an H200 with torch 2.11, torch's pick is cuDNN's kernel 
 --branch times the training branch instead: c_attn + attention forward + backward under bf16
 autocast with an fp32 weight (GPU ms, median of rounds), torch's path (nn.Linear + SDPA) compiled
 against gpt2_fused/kernels/attention.py's op (model attn_impl="fast") compiled. Its passes alone
-(colsum.qkv_grad, colsum) are bench/bench_colsum.py's, timed as CUDA graphs.
+(grad_sums.qkv_grad, colsum) are bench/bench_grad_sums.py's, timed as CUDA graphs.
 """
 
 import argparse
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gpt2_fused.core.compile_cache import use_keyed_cache
+from gpt2_fused.training.compile_cache import use_keyed_cache
 
 SHAPES = {"124M": (12, 768), "350M": (16, 1024), "774M": (20, 1280), "1558M": (25, 1600)}
 BACKENDS = {

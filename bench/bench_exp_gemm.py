@@ -29,7 +29,7 @@ from fused_loss import (
     triton_kernels,
 )
 from fused_loss import linear_cross_entropy as fl
-from gpt2_fused.kernels.device import launch_overrides, num_sms
+from gpt2_fused.kernels.launch import launch_overrides, num_sms
 
 # (BM, BN, BK, num_warps, num_stages) of exp_gemm.LAUNCH["cuda"]: its own, then other tiles
 CONFIGS = {

@@ -15,8 +15,8 @@ and wait for each other; then they time one at a time (a lock), with the host ot
 --profile variants also print their top CUDA kernels over 3 profiled steps. Writes
 DIR/bench_fp8.json.
 
-The variants are what gpt2_fused/core/fp8.py could do with torchao's public float8 API, to choose
-among them; train.py's --fp8 runs "tensorwise" and "rowwise" as defined here.
+The variants are what gpt2_fused/training/fp8.py could do with torchao's public float8 API, to
+choose among them; train.py's --fp8 runs "tensorwise" and "rowwise" as defined here.
 """
 
 import argparse
@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from gpt2_fused.core.compile_cache import use_keyed_cache
-from gpt2_fused.core.fp8 import BLOCK_LINEARS
+from gpt2_fused.training.compile_cache import use_keyed_cache
+from gpt2_fused.training.fp8 import BLOCK_LINEARS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,8 +124,8 @@ def convert(model, v):
 
 def child(args, name):
     """One variant, in this process: its result as a dict."""
-    from gpt2_fused.core.compile_guard import compiler_settings
-    from gpt2_fused.core.config import load_config
+    from gpt2_fused.training.compile_settings import compiler_settings
+    from gpt2_fused.training.config import load_config
     from model import GPT, GPTConfig
 
     v = VARIANTS[name]

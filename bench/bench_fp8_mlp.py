@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from bench.common import events, timed, write_json, xl_shape_args
-from gpt2_fused.core.compile_cache import use_keyed_cache
 from gpt2_fused.kernels.attn_fp8 import attn_fp8, attn_fp8_reference, attn_state
 from gpt2_fused.kernels.fp8_gemm import E4, E5, scaled_mm
 from gpt2_fused.kernels.mlp import mlp_cublaslt
 from gpt2_fused.kernels.mlp_fp8 import mlp_fp8, mlp_fp8_reference, mlp_state
+from gpt2_fused.training.compile_cache import use_keyed_cache
 from model import CausalSelfAttention, GPTConfig
 
 T = 1024  # the attention half's sequence length

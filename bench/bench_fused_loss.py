@@ -41,7 +41,7 @@ from bench.common import (
     variant,
 )
 from fused_loss import fused_linear_cross_entropy
-from gpt2_fused.core import model_io
+from gpt2_fused.training import model_io
 
 
 def real_inputs(ckpt, tokens, N):

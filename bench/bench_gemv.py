@@ -28,8 +28,8 @@ import triton.language as tl
 
 from bench.common import graph_us
 from gpt2_fused.kernels import gemv
-from gpt2_fused.kernels.device import num_sms
 from gpt2_fused.kernels.interpreter import to_dtype
+from gpt2_fused.kernels.launch import num_sms
 
 SHAPES = {  # (N, K, GELU, what model.Block fuses into it) of a block's four linear layers
     "124M": [(2304, 768, False, "ln"), (768, 768, False, "residual"), (3072, 768, True, "ln"),

@@ -12,9 +12,9 @@ eager torch sum (ATen's reduce_kernel). Each variant's gradients are compared wi
 torch (the table's max err: all variants should agree, ~2e-3 from bf16), timed as a CUDA graph of
 20 forward + backward calls (median of --repeats replays), and profiled once outside the graph:
 µs a call in the Triton kernels, in ATen's reduce kernels and in memsets. Prints a table last.
-"trainer" is the trainer's split (compile_guard.layernorm_split), "trainer + row_sum" the same with
-the partial sums finished by colsum.row_sum (compile_guard.triton_partial_sums), counted in the
-Triton column.
+"trainer" is the trainer's split (compile_settings.layernorm_split), "trainer + row_sum" the same
+with the partial sums finished by grad_sums.row_sum (compile_settings.triton_partial_sums), counted
+in the Triton column.
 """
 
 import argparse
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import graph_us
-from gpt2_fused.core.compile_guard import layernorm_split, triton_partial_sums
+from gpt2_fused.training.compile_settings import layernorm_split, triton_partial_sums
 
 VARIANTS = {"inductor": {}, "off": {"triton.mix_order_reduction": False}} | {
     f"split {n}": {"triton.mix_order_reduction_split_size": n} for n in (8, 16, 32, 64, 128)

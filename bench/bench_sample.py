@@ -32,8 +32,8 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.attention import sdpa_kernel
 
-from gpt2_fused.core import generate
-from gpt2_fused.core.device import pick_device, resolve_dtype
+from gpt2_fused.training import generate
+from gpt2_fused.training.hardware import pick_device, resolve_dtype
 from model import GPT, GPTConfig
 
 TEMPERATURE, TOP_K = 0.8, 200

@@ -194,7 +194,7 @@ def for_benchmarks(train, on_step=None):
 
     train.save_checkpoint = no_save
     if on_step is not None:
-        from gpt2_fused.core import runlog
+        from gpt2_fused.training import runlog
 
         fmt = runlog.format_step
 

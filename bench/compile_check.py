@@ -18,7 +18,7 @@ mode (eager or compiled), joined by ":":
   nodrop     the model's Dropout(p=0) modules replaced by nn.Identity
   fp32       no autocast: fp32 matmuls (eager: the most exact result at hand)
   i.KEY=VAL  torch._inductor.config.KEY = VAL (a Python literal) for this compile
-  trainer    train.py's default compile settings (compile_guard.compiler_settings) for this compile
+  trainer    train.py's compile settings (compile_settings.compiler_settings) for this compile
 The reference is eager mode with the same loss. Printed per variant: the loss and its distance
 to the reference, the gradient norm, and the parameter whose gradient is furthest from the
 reference's (relative L2 error). Eager variants show how far a legitimate change (another
@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from gpt2_fused.core.compile_cache import use_keyed_cache
 from gpt2_fused.kernels.fast_paths import gpu_runs
+from gpt2_fused.training.compile_cache import use_keyed_cache
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,11 +156,11 @@ def main():
 
             settings.enter_context(inductor_config.patch(**o["inductor"]))
         if o["trainer"]:
-            from gpt2_fused.core import compile_guard, config
+            from gpt2_fused.training import compile_settings, config
 
             trainer = config.TrainConfig(batch_size=args.batch)  # not "auto": the rows it runs
             trainer.model = model.config
-            settings.enter_context(compile_guard.compiler_settings(trainer))
+            settings.enter_context(compile_settings.compiler_settings(trainer))
         for n, m in dropouts.items():  # put back, or swapped for Identity
             set_submodule(model, n, torch.nn.Identity() if o["nodrop"] else m)
         t0 = time.perf_counter()

@@ -8,7 +8,7 @@ import json
 import os
 import statistics
 
-from gpt2_fused.core.jsonl import read_jsonl
+from gpt2_fused.training.jsonl import read_jsonl
 
 
 def steps(path):

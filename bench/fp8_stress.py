@@ -16,7 +16,7 @@ import tempfile
 import train
 from bench.common import write_json
 from bench.throughput import PLAIN
-from gpt2_fused.core.jsonl import read_jsonl
+from gpt2_fused.training.jsonl import read_jsonl
 
 ARGS = [  # also tests/test_fp8.py's (STRESS_ARGS): one list
     "--n_layer=4",

@@ -19,7 +19,7 @@ import torch
 
 from bench.common import write_json
 from fused_loss import fused_linear_cross_entropy
-from gpt2_fused.kernels import attention, colsum, cublaslt, mlp
+from gpt2_fused.kernels import attention, cublaslt, grad_sums, mlp
 
 M, D, V, HEADS = 64, 64, 512, 2  # rows, width, vocabulary, heads: every kernel ~1-5 us
 
@@ -86,10 +86,10 @@ def cases():
         "cublaslt.matmul (GELU_AUX_BIAS)": lambda: cublaslt.matmul(
             x, w_fc_c.t(), out, bias=b_fc_c, aux=h, epilogue=cublaslt.EPI_GELU_AUX_BIAS
         ),
-        "colsum op": lambda: colsum.colsum(h),
-        "colsum op, compiled caller": compiled(colsum.colsum, h),
-        "qkv_grad op": lambda: colsum.qkv_grad(*parts),
-        "qkv_grad op, compiled caller": compiled(colsum.qkv_grad, *parts),
+        "colsum op": lambda: grad_sums.colsum(h),
+        "colsum op, compiled caller": compiled(grad_sums.colsum, h),
+        "qkv_grad op": lambda: grad_sums.qkv_grad(*parts),
+        "qkv_grad op, compiled caller": compiled(grad_sums.qkv_grad, *parts),
         "dgelu_mm op": lambda: mlp.dgelu_mm(x, w_pr_c, h),
         "mlp_gelu op (fwd)": mlp_fwd,
         "mlp_gelu fwd+bwd": fwd_bwd(lambda: mlp.mlp_cublaslt(xg, *params, residual=r)),

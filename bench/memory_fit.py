@@ -1,6 +1,6 @@
 """What each recipe trains with on a smaller card, and what the cap costs: for every recipe in
 configs/ and each card size, train.py under GPT2_FUSED_GPU_GB=card picks its micro-batch
-(batch_size="auto", gpt2_fused/core/memory.py) or stops at start-up naming what would fit, and
+(batch_size="auto", gpt2_fused/training/memory.py) or stops at start-up naming what would fit, and
 trains a few steps; the same micro-batch then trains uncapped in the same process, and the row
 gives both tok/s and their ratio.
 
@@ -67,8 +67,8 @@ def train_once(args, cap, steps, warmup, out_dir):
 
     import train
     from bench.common import for_benchmarks
-    from gpt2_fused.core.memory import CAP_ENV
-    from gpt2_fused.core.runlog import read_jsonl
+    from gpt2_fused.training.memory import CAP_ENV
+    from gpt2_fused.training.runlog import read_jsonl
 
     save = train.save_checkpoint  # restored after the run: a test calls this in its own process
     for_benchmarks(train)  # checkpoints are empty files

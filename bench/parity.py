@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from data.shards import read_shard
-from gpt2_fused.core.jsonl import read_jsonl
+from gpt2_fused.training.jsonl import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

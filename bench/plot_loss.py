@@ -4,7 +4,7 @@
     python -m bench.plot_loss out/a/log.jsonl out/b/log.jsonl -o compare.png
 
 Needs matplotlib (pip install matplotlib); training does not, and writes out_dir/loss.png itself
-when it is installed (gpt2_fused/core/plot.py draws both). A log that a resumed run appended to
+when it is installed (gpt2_fused/training/plot.py draws both). A log that a resumed run appended to
 may hold a step twice: the last record of each step wins.
 """
 
@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from gpt2_fused.core.plot import plot_logs
+from gpt2_fused.training.plot import plot_logs
 
 
 def main(argv=None):

@@ -47,7 +47,7 @@ import numpy as np
 
 from data.prepare import CACHE_DIR
 from data.shards import write_shard
-from gpt2_fused.core.jsonl import read_jsonl
+from gpt2_fused.training.jsonl import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,7 +58,7 @@ IMPLS = {"default": [], "plain": PLAIN, "torch": ["--loss_impl='torch'"]}
 IMPLS["no_graphs"] = ["--compile_mode='default'"]  # the defaults without CUDA graphs
 IMPLS |= {"fp8": ["--fp8='tensorwise'"], "fp8_rowwise": ["--fp8='rowwise'"]}
 IMPLS["fp8_fused"] = ["--fp8='fused'"]  # our kernels' casts (gpt2_fused/kernels/mlp_fp8.py)
-IMPLS["muon"] = ["--optimizer='muon'"]  # Muon for the blocks' matrices (core/muon.py)
+IMPLS["muon"] = ["--optimizer='muon'"]  # Muon for the blocks' matrices (training/muon.py)
 
 # Runs inside the child: train, then report peak memory (and the profile when asked).
 CHILD = r"""

@@ -17,8 +17,8 @@ stops at once saying so.
 """
 
 from data.prepare import CACHE_DIR, CLI_ERRORS, add_prepare_args, check_hub, prepare, run_local
-from gpt2_fused.core import cli
-from gpt2_fused.core.errors import UsageError, run_main
+from gpt2_fused.training import cli
+from gpt2_fused.training.errors import UsageError, run_main
 
 
 def hub_docs(version="10BT", edu=False):

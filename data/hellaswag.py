@@ -38,9 +38,9 @@ from tqdm import tqdm
 
 from data.prepare import CACHE_DIR
 from data.tokenizer import EOT, get_tokenizer
-from gpt2_fused.core import cli
-from gpt2_fused.core.errors import run_main
-from gpt2_fused.core.jsonl import iter_jsonl
+from gpt2_fused.training import cli
+from gpt2_fused.training.errors import run_main
+from gpt2_fused.training.jsonl import iter_jsonl
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 VAL_EXAMPLES = 10042  # lines of hellaswag_val.jsonl, one example each

@@ -29,7 +29,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from data import resolve_dataset
 from data.shards import DataError, read_header, read_shard
-from gpt2_fused.core.config import ConfigError
+from gpt2_fused.training.config import ConfigError
 
 VAL_TOKENS = 10_485_760  # 10 * 2**20, the llm.c / modded-nanogpt validation budget
 
@@ -265,7 +265,7 @@ def iter_val_batches(pattern, B, T, rank=0, world_size=1, max_tokens=VAL_TOKENS,
 
 def open_data(cfg, train_loader, procs):
     """(train_loader(...), train_glob, val_glob) for a run's cfg (a TrainConfig) on procs (its
-    processes, gpt2_fused/core/distributed.py); a problem with the data raises
+    processes, gpt2_fused/training/distributed.py); a problem with the data raises
     DataError naming the file. Checked here: every shard's header, the token ids of the val
     shards and of the train shard read first (the loader checks each other one when it opens
     it), and that a step fits in each shard. One process per node goes first: "embedded" is

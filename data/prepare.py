@@ -34,9 +34,9 @@ import numpy as np
 
 from data.shards import DataError, read_header, write_shard
 from data.tokenizer import EOT, get_tokenizer
-from gpt2_fused.core import cli
-from gpt2_fused.core.errors import UsageError
-from gpt2_fused.core.jsonl import iter_jsonl
+from gpt2_fused.training import cli
+from gpt2_fused.training.errors import UsageError
+from gpt2_fused.training.jsonl import iter_jsonl
 
 # Prepared datasets and downloads go to data/cache/ in the clone, or to $GPT2_FUSED_CACHE (a bigger
 # disk, a shared folder; as HF_DATASETS_CACHE moves `datasets`' cache), never beside installed code.

@@ -11,8 +11,8 @@ HTTPS_PROXY, HF_ENDPOINT and HF_HUB_OFFLINE); offline, the script stops at once 
 """
 
 from data.prepare import CACHE_DIR, CLI_ERRORS, add_prepare_args, check_hub, prepare, run_local
-from gpt2_fused.core import cli
-from gpt2_fused.core.errors import UsageError, run_main
+from gpt2_fused.training import cli
+from gpt2_fused.training.errors import UsageError, run_main
 
 HUB_REPO = "roneneldan/TinyStories"
 

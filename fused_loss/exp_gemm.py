@@ -40,9 +40,9 @@ import triton
 import triton.language as tl
 
 from fused_loss.triton_kernels import LOG2E, _logits, _row_loss, _row_weight, _tanh, _target
-from gpt2_fused.kernels.device import num_sms
 from gpt2_fused.kernels.fast_paths import gpu_runs
 from gpt2_fused.kernels.interpreter import to_dtype
+from gpt2_fused.kernels.launch import num_sms
 
 REBASE = 64.0  # nats: E <= e^64 and S <= V e^64 stay finite in bf16 / fp32
 

@@ -25,7 +25,7 @@ from fused_loss import exp_gemm, triton_kernels
 from fused_loss.checks import check_inputs
 from fused_loss.reference import linear_cross_entropy_reference
 from gpt2_fused.kernels import cublaslt
-from gpt2_fused.kernels.device import launch_overrides, num_sms
+from gpt2_fused.kernels.launch import launch_overrides, num_sms
 
 # The launch of the row kernels (triton_kernels.py), by device ("cpu": the Triton interpreter in
 # tests, small blocks so that small ragged shapes span several); bench/RESULTS.md#fused-loss.
@@ -250,7 +250,7 @@ def lce_pass(
     dx (N, D) in x's dtype, dw (V, D) in w's dtype and db (V,) in bias's (empty without bias), the
     gradients of sum_n g_n loss_n. The GEMMs run in x's dtype: w is cast to it (a temporary copy
     when they differ, e.g. an fp32 master weight under autocast), or w_cast is that cast, kept
-    by the optimizer (gpt2_fused/core/weight_casts.py).
+    by the optimizer (gpt2_fused/training/weight_casts.py).
     """
     dw_dtype = w.dtype
     x = x.contiguous()
@@ -566,7 +566,7 @@ def fused_linear_cross_entropy(
     z_loss * lse^2 per counted token. label_smoothing: as F.cross_entropy's, over the vocab_size
     real columns. return_lse: also return lse (shape of targets, fp32, no gradient).
     weight_cast: None, or weight already cast to the GEMMs' dtype (the optimizer keeps it,
-    gpt2_fused/core/weight_casts.py), read in place of a fresh cast; the gradient still goes to
+    gpt2_fused/training/weight_casts.py), read in place of a fresh cast; the gradient still goes to
     weight. Under autocast the matmuls run in the autocast dtype, as F.linear would. Gradients
     come back in each input's own dtype. CUDA tensors run the Triton kernels; CPU tensors run
     them under the Triton interpreter when TRITON_INTERPRET=1, else the torch reference (as does

@@ -50,8 +50,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 from data.shards import write_shard  # noqa: E402
-from gpt2_fused.core.compile_cache import use_keyed_cache  # noqa: E402
-from gpt2_fused.core.jsonl import read_jsonl  # noqa: E402
+from gpt2_fused.training.compile_cache import use_keyed_cache  # noqa: E402
+from gpt2_fused.training.jsonl import read_jsonl  # noqa: E402
 
 # the compiled tests' graphs come from this checkout's custom ops, not a cached older version's
 # (the tests' train.py subprocesses inherit the folder)

@@ -1,5 +1,5 @@
 """Compile Triton kernels for Hopper (sm_90) on any machine, GPU or not: the helpers of the
-tests' compile checks (test_fused_loss_compile.py, test_colsum.py, test_adamw.py, test_gemv.py;
+tests' compile checks (test_fused_loss_compile.py, test_grad_sums.py, test_adamw.py, test_gemv.py;
 a script names its target, so test_fast_paths.py builds for sm_80 and sm_86 the same way).
 
 The Triton wheel ships ptxas, so a CPU-only CI can run the real compiler down to a cubin. That

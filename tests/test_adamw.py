@@ -7,8 +7,8 @@ import pytest
 import torch
 from sm90 import compile_for_sm90, needs_nvidia_backend
 
-from gpt2_fused.core import optim
 from gpt2_fused.kernels.adamw import MultiTensorAdamW, adamw_reference, total_norm_reference
+from gpt2_fused.training import optim
 
 CUDA = pytest.param(
     "cuda",
@@ -75,7 +75,7 @@ def test_matches_the_reference_and_torch_adamw(device, layout, scale):
 @pytest.mark.parametrize("layout", sorted(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_casts_are_the_updated_weights_rounded(device, layout, dtype):
-    """set_casts: after every step each cast holds its parameter's new value as torch rounds
+    """set_weight_casts: after every step each cast holds its parameter's new value as torch rounds
     it (.to(dtype), nearest-even), and the update itself is the reference's; a parameter with
     no cast, and a cast whose parameter has no grad, are left alone."""
     start, grads = _params(SHAPES[layout] + [(8,)], device)
@@ -86,7 +86,7 @@ def test_casts_are_the_updated_weights_rounded(device, layout, dtype):
     # no cast for the second tensor; the last one never gets a grad
     casted = [p for i, p in enumerate(ours) if i != 1]
     casts = {p: torch.full(p.shape, 7.0, dtype=dtype, device=device) for p in casted}
-    opt.set_casts(casts)
+    opt.set_weight_casts(casts)
     for t, step_grads in enumerate(grads, start=1):
         for p, g in zip(ours[:-1], step_grads, strict=False):
             p.grad = g.clone()
@@ -102,15 +102,15 @@ def test_casts_are_the_updated_weights_rounded(device, layout, dtype):
     assert (casts[ours[0]].float() - start[0]).abs().max() > 1e-3  # the casts moved
 
 
-def test_set_casts_refuses_mismatches():
+def test_set_weight_casts_refuses_mismatches():
     p = torch.nn.Parameter(torch.zeros(4, 8))
     opt = MultiTensorAdamW([p])
     with pytest.raises(TypeError, match="all bf16 or all fp16"):
-        opt.set_casts({p: torch.zeros(4, 8)})
+        opt.set_weight_casts({p: torch.zeros(4, 8)})
     with pytest.raises(ValueError, match="contiguous, shaped and placed"):
-        opt.set_casts({p: torch.zeros(8, 4, dtype=torch.bfloat16)})
+        opt.set_weight_casts({p: torch.zeros(8, 4, dtype=torch.bfloat16)})
     with pytest.raises(ValueError, match="contiguous, shaped and placed"):
-        opt.set_casts({p: torch.zeros(8, 4, dtype=torch.bfloat16).t()})
+        opt.set_weight_casts({p: torch.zeros(8, 4, dtype=torch.bfloat16).t()})
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

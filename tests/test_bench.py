@@ -310,7 +310,7 @@ def test_write_json_makes_the_folder_and_skips_without_one(tmp_path):
 def test_for_benchmarks_skips_checkpoints_and_steps_the_profiler(tmp_path, monkeypatch):
     import types
 
-    from gpt2_fused.core import runlog
+    from gpt2_fused.training import runlog
 
     monkeypatch.setattr(runlog, "format_step", runlog.format_step)  # restored after the test
     fake_train, calls = types.SimpleNamespace(), []

@@ -16,8 +16,8 @@ import torch
 
 import train
 from conftest import LOSS_PNG, read_log
-from gpt2_fused.core import checkpoint
-from gpt2_fused.core.errors import run_main
+from gpt2_fused.training import checkpoint
+from gpt2_fused.training.errors import run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -258,7 +258,7 @@ def test_a_log_write_that_fails_stops_the_run_in_one_line(tiny_args, tmp_path, m
     """log.jsonl on a full disk (after a checkpoint has been written): the run stops with a
     LogError naming the file, the step and the newest checkpoint (one line through errors.py),
     not a raw OSError from the write or from closing the file."""
-    from gpt2_fused.core import runlog
+    from gpt2_fused.training import runlog
 
     out = tmp_path / "out"
     real_open = open

@@ -1,4 +1,4 @@
-"""The command lines' one language (gpt2_fused/core/cli.py): every command takes --name=value,
+"""The command lines' one language (gpt2_fused/training/cli.py): every command takes --name=value,
 --name value and either spelling of a name; an unknown flag is one line naming the closest known
 one; every usage error is one line with exit status 2 (errors.py)."""
 
@@ -14,9 +14,9 @@ import data.hellaswag
 import data.tinystories
 import eval_hellaswag
 import sample
-from gpt2_fused.core.cli import ArgumentParser
-from gpt2_fused.core.config import ConfigError, load_config
-from gpt2_fused.core.errors import USAGE_EXIT, UsageError, run_main
+from gpt2_fused.training.cli import ArgumentParser
+from gpt2_fused.training.config import ConfigError, load_config
+from gpt2_fused.training.errors import USAGE_EXIT, UsageError, run_main
 
 REPO = Path(__file__).resolve().parent.parent
 STORIES = REPO / "tests" / "fixtures" / "stories_sample.txt"

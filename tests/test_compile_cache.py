@@ -1,4 +1,4 @@
-"""gpt2_fused/core/compile_cache.py: torch.compile's disk cache, one folder per version of the
+"""gpt2_fused/training/compile_cache.py: torch.compile's disk cache, one folder per version of the
 custom ops' sources (a stale cached backward would otherwise survive an edit)."""
 
 import os
@@ -6,7 +6,14 @@ import re
 import shutil
 
 import train
-from gpt2_fused.core.compile_cache import ENV, OP_SOURCES, PREFIX, ROOT, ops_hash, use_keyed_cache
+from gpt2_fused.training.compile_cache import (
+    ENV,
+    OP_SOURCES,
+    PREFIX,
+    ROOT,
+    ops_hash,
+    use_keyed_cache,
+)
 
 
 def test_the_hash_follows_the_op_sources_only(tmp_path):

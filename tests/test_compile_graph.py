@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gpt2_fused.kernels import cublaslt, fast_paths
-from gpt2_fused.kernels.device import capability
+from gpt2_fused.kernels.launch import capability
 from model import GPT, GPTConfig
 
 OURS = ("model", "fused_loss", "gpt2_fused", "data")  # modules whose functions the walk follows

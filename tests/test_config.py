@@ -9,11 +9,18 @@ import pytest
 import torch
 
 import train
-from gpt2_fused.core import checkpoint, compile_guard, memory, optim
-from gpt2_fused.core.config import ConfigError, TrainConfig, flat, grad_accum_steps, load_config
-from gpt2_fused.core.device import peak_flops
-from gpt2_fused.core.errors import run_main
-from gpt2_fused.core.optim import get_lr
+from gpt2_fused.training import checkpoint, compile_settings, memory, optim
+from gpt2_fused.training.config import (
+    ConfigError,
+    TrainConfig,
+    flat,
+    grad_accum_steps,
+    load_config,
+    tokens_per_step,
+)
+from gpt2_fused.training.errors import run_main
+from gpt2_fused.training.hardware import peak_flops
+from gpt2_fused.training.optim import get_lr
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,6 +155,15 @@ def test_grad_accum_steps():
     assert "total_batch_size=256 or batch_size=2" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_tokens_per_step_is_the_micro_batches_of_every_process():
+    cfg = load_config(["--batch_size=4", "--block_size=32", "--total_batch_size=1024"])
+    assert tokens_per_step(cfg, 2) == (1024, 4)  # 4 * 32 * 2 tokens a micro-step, 4 of them
+    one = load_config(["--batch_size=4", "--block_size=32"])  # total_batch_size 0
+    assert tokens_per_step(one, 2) == (256, 1)
+    with pytest.raises(ConfigError, match="total_batch_size=1024 must be a multiple"):
+        tokens_per_step(cfg, 3)
+
+
 def test_errors_stop_main_before_training(tmp_path):
     with pytest.raises(ConfigError, match="total_batch_size"):
         train.main(["--device=cpu", "--total_batch_size=1000", f"--out_dir={tmp_path}"])
@@ -218,7 +234,7 @@ def test_peak_flops_unknown_gpu_gives_no_mfu(name):
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*.py"))))
 def test_shipped_configs_load_and_divide(path):
     cfg = load_config([path])
-    assert cfg.batch_size == "auto"  # picked to fit the GPU (gpt2_fused/core/memory.py)
+    assert cfg.batch_size == "auto"  # picked to fit the GPU (gpt2_fused/training/memory.py)
     for world_size in (1, 8):  # the ladder's top rung allowed, and each divides the step
         T = cfg.model.block_size
         rungs = memory.allowed_rungs(cfg.total_batch_size, T, world_size)
@@ -319,11 +335,13 @@ def test_auto_compile_mode_takes_cuda_graphs_for_small_micro_batches_on_a_gpu():
         return model.flops_per_token() * batch * 1024 / model.config.n_layer
 
     small, large = per_layer("gpt2", 16), per_layer("gpt2", 32)
-    assert compile_guard.pick_mode("auto", cuda, False, per_layer("gpt2", 8)) == "reduce-overhead"
-    assert compile_guard.pick_mode("auto", cuda, False, small) == "reduce-overhead"
-    assert compile_guard.pick_mode("auto", cuda, False, large) == "default"
-    assert compile_guard.pick_mode("auto", cuda, False, per_layer("gpt2-xl", 16)) == "default"
-    assert compile_guard.pick_mode("auto", cuda, True, small) == "default"
-    assert compile_guard.pick_mode("auto", cpu, False, small) == "default"
-    assert compile_guard.pick_mode("max-autotune", cuda, True, small) == "max-autotune"
+    assert (
+        compile_settings.pick_mode("auto", cuda, False, per_layer("gpt2", 8)) == "reduce-overhead"
+    )
+    assert compile_settings.pick_mode("auto", cuda, False, small) == "reduce-overhead"
+    assert compile_settings.pick_mode("auto", cuda, False, large) == "default"
+    assert compile_settings.pick_mode("auto", cuda, False, per_layer("gpt2-xl", 16)) == "default"
+    assert compile_settings.pick_mode("auto", cuda, True, small) == "default"
+    assert compile_settings.pick_mode("auto", cpu, False, small) == "default"
+    assert compile_settings.pick_mode("max-autotune", cuda, True, small) == "max-autotune"
     assert TrainConfig().compile_mode == "auto"

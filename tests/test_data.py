@@ -26,7 +26,7 @@ from data.loader import DataLoader, iter_val_batches
 from data.prepare import iter_file_docs, iter_jsonl_docs, iter_text_docs, prepare
 from data.shards import ShardError, read_header, read_shard, write_shard
 from data.tokenizer import EOT, check_bpe_files, get_tokenizer
-from gpt2_fused.core.errors import UsageError
+from gpt2_fused.training.errors import UsageError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WIKI = FIXTURES / "wiki_sample.txt"

@@ -15,7 +15,7 @@ import train
 from conftest import read_log, read_norms
 from data.loader import DataLoader
 from data.shards import write_shard
-from gpt2_fused.core import checkpoint, compile_guard
+from gpt2_fused.training import checkpoint, compile_guard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -329,7 +329,7 @@ def test_exit_if_launched_leaves_only_under_torchrun(monkeypatch):
     """After a clean end under torchrun the process leaves through os._exit(0), skipping the
     interpreter's finalisation (where gloo's threads once aborted a finished rank); outside
     torchrun it returns and the interpreter ends as usual."""
-    from gpt2_fused.core import distributed
+    from gpt2_fused.training import distributed
 
     calls = []
     monkeypatch.setattr(distributed.os, "_exit", lambda code: calls.append(code))

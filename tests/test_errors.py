@@ -16,7 +16,7 @@ import data.fineweb
 import train
 from data.prepare import CLI_ERRORS
 from data.shards import HEADER_BYTES, read_shard, write_shard
-from gpt2_fused.core.errors import run_main
+from gpt2_fused.training.errors import run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

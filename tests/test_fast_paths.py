@@ -11,12 +11,12 @@ import model as model_module
 import train
 from conftest import read_log
 from fused_loss import linear_cross_entropy as fl
-from gpt2_fused.core import optim
-from gpt2_fused.core.config import TrainConfig
-from gpt2_fused.core.device import fast_path_notes
 from gpt2_fused.kernels import fast_paths
 from gpt2_fused.kernels.adamw import MultiTensorAdamW
-from gpt2_fused.kernels.device import FORCE_CAPABILITY, capability
+from gpt2_fused.kernels.launch import FORCE_CAPABILITY, capability
+from gpt2_fused.training import optim
+from gpt2_fused.training.config import TrainConfig
+from gpt2_fused.training.hardware import fast_path_notes
 from model import GPT, GPTConfig
 
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
@@ -149,7 +149,7 @@ import json, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fused_loss import linear_cross_entropy as fl, triton_kernels as K
-from gpt2_fused.kernels import adamw, colsum, gemv
+from gpt2_fused.kernels import adamw, gemv, grad_sums
 
 CC = int(sys.argv[1])
 
@@ -187,14 +187,14 @@ out["one_hot_runs"] = build(K.one_hot_runs_kernel, {"acc_ptr": "*fp32", "part_pt
                             blk | dict(S=cfg["one_hot_steps"]))
 out["scale"] = build(K.scale_kernel, {"src_ptr": "*fp32", "g_ptr": "*fp32", "dst_ptr": "*fp32",
                      "numel": "i32"}, dict(BLOCK=4096, INTERPRETED=False))
-cs = colsum.LAUNCH["cuda"]
+cs = grad_sums.LAUNCH["cuda"]
 BN = 256
-out["colsum_partial"] = build(colsum.partial_sums_kernel, dict(a_ptr="*bf16", b_ptr="*bf16",
+out["colsum_partial"] = build(grad_sums.partial_sums_kernel, dict(a_ptr="*bf16", b_ptr="*bf16",
                               c_ptr="*bf16", cat_ptr="*bf16", part_ptr="*fp32", M="i32", C="i32",
                               stride_in="i32"),
                               dict(ROWS=8 * (cs["tile"] // BN), BM=cs["tile"] // BN, BN=BN,
                                    THREE=True), num_warps=cs["num_warps"])
-out["colsum_finish"] = build(colsum.finish_kernel, dict(part_ptr="*fp32", out_ptr="*fp32",
+out["colsum_finish"] = build(grad_sums.finish_kernel, dict(part_ptr="*fp32", out_ptr="*fp32",
                              P="i32", N="i32"), dict(BP=16, BN=256))  # row_sum's widest
 scalars = ("lr", "beta1", "beta2", "eps", "step_size", "bc2_sqrt")
 step = dict(ptrs="*i64", numels="*i64", wds="*fp32", block_tensor="*i32", block_start="*i64",

@@ -1,8 +1,8 @@
-"""gpt2_fused/core/fp8.py (--fp8, on torchao's float8 training): the conversion swaps exactly the
-blocks' Linears, check() refuses a run that cannot use FP8 in one line, and checkpoints of FP8 runs
-hold plain tensors that load into plain and FP8 models alike. On CPU torchao converts, and even runs
-the FP8 GEMMs (torch 2.11, 2.13); on a GPU with FP8 tensor cores, 20 training steps with --fp8
-follow the bf16 run's losses."""
+"""gpt2_fused/training/fp8.py (--fp8, on torchao's float8 training): the conversion swaps exactly
+the blocks' Linears, check() refuses a run that cannot use FP8 in one line, and checkpoints of
+FP8 runs hold plain tensors that load into plain and FP8 models alike. On CPU torchao converts,
+and even runs the FP8 GEMMs (torch 2.11, 2.13); on a GPU with FP8 tensor cores, 20 training
+steps with --fp8 follow the bf16 run's losses."""
 
 import os
 import subprocess
@@ -20,9 +20,9 @@ from torchao.float8.float8_linear import Float8Linear  # noqa: E402  (not public
 import train  # noqa: E402
 from bench.fp8_stress import ARGS as STRESS_ARGS  # noqa: E402
 from conftest import read_log  # noqa: E402
-from gpt2_fused.core import fp8, model_io, sharding  # noqa: E402
-from gpt2_fused.core.config import TrainConfig  # noqa: E402
-from gpt2_fused.core.distributed import Processes  # noqa: E402
+from gpt2_fused.training import data_parallel, fp8, model_io  # noqa: E402
+from gpt2_fused.training.config import TrainConfig  # noqa: E402
+from gpt2_fused.training.distributed import Processes  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -247,7 +247,7 @@ def test_fsdp2_float8_all_gather_trains_like_fp8_alone_and_saves_plain_tensors(t
     procs = Processes(ddp=True, rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
     def run(shard):
-        mode = sharding.mode(TrainConfig(shard=shard, adamw_impl="torch"), procs)
+        mode = data_parallel.mode(TrainConfig(shard=shard, adamw_impl="torch"), procs)
         model = tiny_model(vocab_size=512, padded_vocab_size=512)
         fp8.convert(model, "tensorwise", mode.fully_sharded)
         mode.shard_model(model)

@@ -5,8 +5,8 @@ import pytest
 import torch
 from sm90 import compile_for_sm90, needs_nvidia_backend
 
-from gpt2_fused.core import generate
 from gpt2_fused.kernels import gemv
+from gpt2_fused.training import generate
 from model import GPT, GPTConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

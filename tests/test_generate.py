@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from gpt2_fused.core import generate
-from gpt2_fused.core.generate import generate as gen
-from gpt2_fused.core.generate import sample
+from gpt2_fused.training import generate
+from gpt2_fused.training.generate import generate as gen
+from gpt2_fused.training.generate import sample
 from model import GPT, GPTConfig
 
 V, VP = 50257, 50304

@@ -22,7 +22,7 @@ from torch import nn
 import eval_hellaswag
 from data import hellaswag as hs
 from data.tokenizer import get_tokenizer
-from gpt2_fused.core import model_io
+from gpt2_fused.training import model_io
 from model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent

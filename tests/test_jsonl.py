@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from gpt2_fused.core.jsonl import iter_jsonl, read_jsonl
+from gpt2_fused.training.jsonl import iter_jsonl, read_jsonl
 
 
 def test_values_are_numbered_by_line_and_blank_lines_skipped(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # lowest first: a module may import its own layer and the ones before it
-LAYERS = ["gpt2_fused.kernels", "fused_loss", "model", "gpt2_fused.core", "data", "commands"]
+LAYERS = ["gpt2_fused.kernels", "fused_loss", "model", "gpt2_fused.training", "data", "commands"]
 COMMANDS = {"train", "sample", "eval_hellaswag"}
 
 
@@ -51,7 +51,7 @@ def imports(path):
 
 def package(module):
     """The package a module belongs to, whose modules may share private names: its top-level
-    name (gpt2_fused.core and gpt2_fused.kernels are two)."""
+    name (gpt2_fused.training and gpt2_fused.kernels are two)."""
     parts = module.split(".")
     return ".".join(parts[:2]) if parts[0] == "gpt2_fused" else parts[0]
 
@@ -107,11 +107,11 @@ def test_imports_go_one_way_and_stay_public(module, path):
 def test_the_checks_see_an_upward_import_and_a_private_name(tmp_path):
     """The walk above finds what it is for: a kernel importing the model, a private name."""
     bad = tmp_path / "bad.py"
-    bad.write_text("import model\nfrom gpt2_fused.core import generate\ngenerate._step\n")
+    bad.write_text("import model\nfrom gpt2_fused.training import generate\ngenerate._step\n")
     found = imports(bad)
     assert [layer(t) for _, t, _ in found] == [
         LAYERS.index("model"),
-        LAYERS.index("gpt2_fused.core"),
+        LAYERS.index("gpt2_fused.training"),
     ]
     assert private_reaches(bad, "gpt2_fused.kernels.mlp") == ["3: generate._step"]
 
@@ -129,7 +129,7 @@ def pyproject():
 
 def in_wheel(module, shipped):
     """Whether the wheel ships a repo module, by its dotted name: a package (a folder) if listed,
-    a module file if its folder is (gpt2_fused.core.x is not, though gpt2_fused is listed)."""
+    a module file if its folder is (gpt2_fused.training.x is not, though gpt2_fused is listed)."""
     if ROOT.joinpath(*module.split(".")).is_dir():
         return module in shipped
     return module.rpartition(".")[0] in shipped
@@ -166,7 +166,7 @@ DEPENDENCIES = {re.match(r"[\w.-]+", d)[0] for d in pyproject()["project"]["depe
 )
 def test_the_wheel_imports_only_itself_the_standard_library_and_its_dependencies(module, path):
     """pyproject.toml ships the lowest layers as a library; none of their modules may import the
-    clone (model.py, gpt2_fused/core/, data/, ...) or a package the wheel does not require."""
+    clone (model.py, gpt2_fused/training/, data/, ...) or a package the wheel does not require."""
     allowed = set(sys.stdlib_module_names) | DEPENDENCIES
     wrong = outside_the_wheel(path, SHIPPED, allowed)
     assert not wrong, "\n".join(f"{path.relative_to(ROOT)}:{n} imports {t}" for n, t in wrong)
@@ -175,13 +175,14 @@ def test_the_wheel_imports_only_itself_the_standard_library_and_its_dependencies
 def test_the_wheel_check_sees_the_clone_and_an_undeclared_package(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(
-        "import torch\nimport model\nfrom gpt2_fused import core\nfrom gpt2_fused.kernels import"
-        " mlp\nimport yaml\nfrom gpt2_fused.core.errors import UsageError\n"
+        "import torch\nimport model\nfrom gpt2_fused import training\n"
+        "from gpt2_fused.kernels import mlp\nimport yaml\n"
+        "from gpt2_fused.training.errors import UsageError\n"
     )
     wrong = outside_the_wheel(bad, {"gpt2_fused", "gpt2_fused.kernels"}, {"torch"})
     assert wrong == [
         (2, "model"),
-        (3, "gpt2_fused.core"),
+        (3, "gpt2_fused.training"),
         (5, "yaml"),
-        (6, "gpt2_fused.core.errors"),
+        (6, "gpt2_fused.training.errors"),
     ]

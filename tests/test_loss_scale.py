@@ -1,4 +1,4 @@
-"""float16 training: dtype=auto's choice, the loss scale (gpt2_fused/core/loss_scale.py) in the
+"""float16 training: dtype=auto's choice, the loss scale (gpt2_fused/training/loss_scale.py) in the
 clipped step of each AdamW, skipped steps in the log, the scale in checkpoints and resumes, and
 the fused loss's gradients under fp16. On CPU through torch's fp16 autocast (and the Triton
 interpreter); the GPU cases at the end."""
@@ -10,12 +10,11 @@ import torch
 
 import train
 from conftest import read_log
-from gpt2_fused.core import device as device_mod
-from gpt2_fused.core import loss_scale, optim
-from gpt2_fused.core.config import ConfigError
-from gpt2_fused.core.loss_scale import LossScaler
-from gpt2_fused.core.runlog import read_jsonl
 from gpt2_fused.kernels.adamw import MultiTensorAdamW
+from gpt2_fused.training import hardware, loss_scale, optim
+from gpt2_fused.training.config import ConfigError
+from gpt2_fused.training.loss_scale import LossScaler
+from gpt2_fused.training.runlog import read_jsonl
 
 CUDA = pytest.param(
     "cuda",
@@ -39,9 +38,9 @@ def test_auto_dtype_is_float16_where_bf16_is_only_emulated(monkeypatch, capabili
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     monkeypatch.setattr(torch.version, "hip", hip)
-    assert device_mod.resolve_dtype("auto", torch.device("cuda", 0)) == want
-    assert device_mod.resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    assert device_mod.resolve_dtype("float16", torch.device("cpu")) == torch.float16
+    assert hardware.resolve_dtype("auto", torch.device("cuda", 0)) == want
+    assert hardware.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert hardware.resolve_dtype("float16", torch.device("cpu")) == torch.float16
 
 
 def test_float16_refuses_fp8_and_fsdp2_in_one_line():
@@ -80,7 +79,7 @@ def test_scaled_step_matches_unscaled_and_skips_inf(device, kind):
     casts = {}
     if kind == "multi_tensor":
         casts = {p: p.detach().half() for p in scaled}
-        opt.set_casts(casts)
+        opt.set_weight_casts(casts)
     scaler = LossScaler(torch.device(device), enabled=True)
     scaler.scale.fill_(1024.0)
     max_norm = 0.5 * torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item()

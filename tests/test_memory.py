@@ -1,4 +1,4 @@
-"""batch_size="auto" and the GPU cap (gpt2_fused/core/memory.py): the ladder under a fake
+"""batch_size="auto" and the GPU cap (gpt2_fused/training/memory.py): the ladder under a fake
 allocator, what total_batch_size allows, GPT2_FUSED_GPU_GB's parsing, the start-up line, the
 probe leaving the run as it was, and an out-of-memory error later in the run; on a GPU, a capped
 run and an auto run against the explicit one."""
@@ -12,10 +12,10 @@ import torch
 
 import train
 from conftest import read_log
-from gpt2_fused.core import config, memory
-from gpt2_fused.core.checkpoint import list_checkpoints
-from gpt2_fused.core.distributed import Processes
-from gpt2_fused.core.optim import build_optimizer
+from gpt2_fused.training import config, memory
+from gpt2_fused.training.checkpoint import list_checkpoints
+from gpt2_fused.training.distributed import Processes
+from gpt2_fused.training.optim import build_optimizer
 from model import GPT, GPTConfig
 
 GiB = 2**30

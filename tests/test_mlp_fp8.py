@@ -74,7 +74,7 @@ def test_fused_recipe_runs_each_blocks_halves_in_fp8():
     """fp8.convert(model, "fused"): every block's halves go through attn_fp8 and mlp_fp8 (their
     states fill), the loss and gradients follow the unconverted model's, the state dict's keys
     stay."""
-    from gpt2_fused.core import fp8
+    from gpt2_fused.training import fp8
     from model import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -101,7 +101,7 @@ def test_fused_recipe_runs_each_blocks_halves_in_fp8():
 
 
 def test_fused_recipe_needs_no_dropout():
-    from gpt2_fused.core import fp8
+    from gpt2_fused.training import fp8
     from model import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=256, padded_vocab_size=256, n_layer=1, n_head=2, n_embd=64,
@@ -113,7 +113,7 @@ def test_fused_recipe_needs_no_dropout():
 def test_fused_recipe_under_torch_compile_matches_eager():
     """torch.compile leaves the FP8 halves eager (torch.compiler.disable) and compiles the rest:
     the compiled model's loss is the eager one's, and gradients reach the FP8 blocks' weights."""
-    from gpt2_fused.core import fp8
+    from gpt2_fused.training import fp8
     from model import GPT, GPTConfig
 
     torch.manual_seed(0)

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpt2_fused.core import generate, model_io
-from gpt2_fused.core.device import pick_device
-from gpt2_fused.core.model_io import _read_safetensors, _write_safetensors
+from gpt2_fused.training import generate, model_io
+from gpt2_fused.training.hardware import pick_device
+from gpt2_fused.training.model_io import _read_safetensors, _write_safetensors
 from model import GPT, GPTConfig
 
 FIXTURES = Path(__file__).parent / "fixtures"

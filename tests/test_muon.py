@@ -1,4 +1,4 @@
-"""--optimizer=muon (gpt2_fused/core/muon.py): the Newton-Schulz orthogonalisation against an
+"""--optimizer=muon (gpt2_fused/training/muon.py): the Newton-Schulz orthogonalisation against an
 SVD, one update against the formulas, and training under torchrun (gloo, CPU) against one
 process, with checkpoints that resume exactly and refuse the other optimizer."""
 
@@ -12,8 +12,14 @@ from test_shard import REPO, shard_args, torchrun
 
 import train
 from conftest import read_log, read_norms
-from gpt2_fused.core.config import ConfigError, TrainConfig
-from gpt2_fused.core.muon import NS_COEFFS, NS_STEPS, Muon, orthogonalize, orthogonalize_reference
+from gpt2_fused.training.config import ConfigError, TrainConfig
+from gpt2_fused.training.muon import (
+    NS_COEFFS,
+    NS_STEPS,
+    Muon,
+    orthogonalize,
+    orthogonalize_reference,
+)
 
 STEPS = 20
 

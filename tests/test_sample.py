@@ -8,9 +8,9 @@ import torch
 
 import sample
 from data.tokenizer import EOT, get_tokenizer
-from gpt2_fused.core import model_io
-from gpt2_fused.core.errors import run_main
-from gpt2_fused.core.generate import generate
+from gpt2_fused.training import model_io
+from gpt2_fused.training.errors import run_main
+from gpt2_fused.training.generate import generate
 from model import GPT, GPTConfig
 
 V, VP = 50257, 50304
@@ -95,7 +95,7 @@ def test_greedy_equals_model_generate_and_default_prompt_is_eot(capsys, ckpt_dir
 def test_bad_arguments_are_one_line_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
         run_main(lambda: sample.main(argv), model_io.USER_ERRORS)
-    assert e.value.code == 2  # a usage error (gpt2_fused/core/errors.py)
+    assert e.value.code == 2  # a usage error (gpt2_fused/training/errors.py)
     err = capsys.readouterr().err
     assert err.startswith("usage error: ") and err.count("\n") == 1, err
 

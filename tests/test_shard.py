@@ -1,4 +1,4 @@
-"""--shard (sharding.py) under torchrun, gloo on CPU: ZeRO-1 and FSDP2 train DDP's curve.
+"""--shard (data_parallel.py) under torchrun, gloo on CPU: ZeRO-1 and FSDP2 train DDP's curve.
 
 Every run takes 768 tokens a step (B 4 x T 32 x W ranks x grad_accum: 3 micro-steps on 2 ranks,
 2 on 3, 6 in one process), and the loader's order does not depend on W, so all of them see the
@@ -21,9 +21,9 @@ import torch
 import sample
 import train
 from conftest import TINY, read_log, read_norms
-from gpt2_fused.core import sharding
-from gpt2_fused.core.config import ConfigError, TrainConfig
-from gpt2_fused.core.distributed import Processes
+from gpt2_fused.training import data_parallel
+from gpt2_fused.training.config import ConfigError, TrainConfig
+from gpt2_fused.training.distributed import Processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 20
@@ -218,7 +218,7 @@ def test_compiled_fsdp2_trains_like_ddp(runs, tiny_data, tmp_path):
 def test_combinations_that_do_not_run_are_refused_in_one_line(settings, device, says):
     procs = Processes(ddp=True, rank=0, local_rank=0, world_size=2, device=torch.device(device))
     with pytest.raises(ConfigError, match=re.escape(says)) as e:
-        sharding.mode(TrainConfig(**settings), procs)
+        data_parallel.mode(TrainConfig(**settings), procs)
     assert "\n" not in str(e.value)
 
 
@@ -228,14 +228,14 @@ def test_cuda_graphs_under_torchrun_sum_the_grads_once_a_step():
     cuda = Processes(ddp=True, rank=0, local_rank=0, world_size=2, device=torch.device("cuda"))
     one = Processes(ddp=False, rank=0, local_rank=0, world_size=1, device=torch.device("cuda"))
     cfg = TrainConfig(compile_mode="reduce-overhead")
-    assert sharding.mode(cfg, cuda).name == "none"  # not refused
-    assert sharding.graphs_fit(cfg) and sharding.sums_at_step(cfg, cuda, graphs=True)
-    assert not sharding.sums_at_step(cfg, cuda, graphs=False)  # DDP without graphs
-    assert not sharding.sums_at_step(cfg, one, graphs=True)  # one process: nothing to sum
-    assert sharding.sums_at_step(TrainConfig(grad_sync="step"), cuda, graphs=False)
+    assert data_parallel.mode(cfg, cuda).name == "none"  # not refused
+    assert data_parallel.graphs_fit(cfg) and data_parallel.sums_at_step(cfg, cuda, graphs=True)
+    assert not data_parallel.sums_at_step(cfg, cuda, graphs=False)  # DDP without graphs
+    assert not data_parallel.sums_at_step(cfg, one, graphs=True)  # one process: nothing to sum
+    assert data_parallel.sums_at_step(TrainConfig(grad_sync="step"), cuda, graphs=False)
     for bucketed in (dict(grad_sync="ddp"), dict(ddp_compile="ddp"), dict(shard="full")):
-        assert not sharding.graphs_fit(TrainConfig(**bucketed))
-        assert not sharding.sums_at_step(TrainConfig(**bucketed), cuda, graphs=True)
+        assert not data_parallel.graphs_fit(TrainConfig(**bucketed))
+        assert not data_parallel.sums_at_step(TrainConfig(**bucketed), cuda, graphs=True)
 
 
 def test_what_runs_with_sharding():
@@ -243,10 +243,12 @@ def test_what_runs_with_sharding():
     (on a CPU adamw_impl="fast" is torch's anyway) and trains without printed samples."""
     cuda = Processes(ddp=True, rank=0, local_rank=0, world_size=2, device=torch.device("cuda"))
     cpu = Processes(ddp=True, rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))
-    assert sharding.mode(TrainConfig(shard="optimizer", hellaswag=True), cuda).notes == []
-    full = sharding.mode(TrainConfig(shard="full", adamw_impl="torch", sample_interval=0), cuda)
+    assert data_parallel.mode(TrainConfig(shard="optimizer", hellaswag=True), cuda).notes == []
+    full = data_parallel.mode(
+        TrainConfig(shard="full", adamw_impl="torch", sample_interval=0), cuda
+    )
     assert full.notes == [] and not full.wraps_in_ddp and full.fully_sharded
-    assert "no samples" in sharding.mode(TrainConfig(shard="full"), cpu).notes[0]
+    assert "no samples" in data_parallel.mode(TrainConfig(shard="full"), cpu).notes[0]
 
 
 def test_sharding_outside_torchrun_says_how(tiny_args, tmp_path):
@@ -313,7 +315,7 @@ def test_inner_micro_steps_leave_fsdp2_grads_unreduced():
         model, ref = GPT(cfg), GPT(cfg)
         ref.load_state_dict(model.state_dict())
         procs = Processes(ddp=True, rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-        full = sharding.mode(TrainConfig(shard="full", adamw_impl="torch"), procs)
+        full = data_parallel.mode(TrainConfig(shard="full", adamw_impl="torch"), procs)
         full.shard_model(model)
         x = torch.randint(0, 64, (2, 2, 16))
         for micro, sync in enumerate((False, True)):
@@ -362,7 +364,7 @@ def test_zero1_compiled_graph_is_cut_where_ddps_is(monkeypatch):
             model = GPT(cfg)
             cfg_mode, cpu = TrainConfig(shard=mode), torch.device("cpu")
             procs = Processes(ddp=True, rank=0, local_rank=0, world_size=1, device=cpu)
-            opt = sharding.mode(cfg_mode, procs).make_optimizer(model, cfg_mode, cpu)
+            opt = data_parallel.mode(cfg_mode, procs).make_optimizer(model, cfg_mode, cpu)
             # 1 MB buckets (DDP's first bucket's size): DDP's own graph has cuts too
             wrapped.append(DDP(torch.compile(model, backend="aot_eager"), bucket_cap_mb=1))
             wrapped[-1](x, x).backward()

@@ -1,5 +1,5 @@
-"""Where a run starts (gpt2_fused/core/start.py): --init_from's weights (an HF GPT-2 directory, a
-GPT-2 name in the local Hugging Face cache, one of our checkpoints or out_dirs) and --resume,
+"""Where a run starts (gpt2_fused/training/start.py): --init_from's weights (an HF GPT-2 directory,
+a GPT-2 name in the local Hugging Face cache, one of our checkpoints or out_dirs) and --resume,
 both taking the model's settings from their source, and the one-line errors around them.
 
 The reference for a run that starts from weights is transformers' GPT-2 reading the exported
@@ -20,10 +20,10 @@ import train
 from conftest import TINY, read_log
 from data import resolve_dataset
 from data.loader import DataLoader
-from gpt2_fused.core import model_io, start
-from gpt2_fused.core.config import ConfigError, TrainConfig, load_config
-from gpt2_fused.core.errors import run_main
-from gpt2_fused.core.runlog import read_jsonl
+from gpt2_fused.training import model_io, start
+from gpt2_fused.training.config import ConfigError, TrainConfig, load_config
+from gpt2_fused.training.errors import run_main
+from gpt2_fused.training.runlog import read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_FLAGS = ("--vocab_size", "--padded_vocab_size", "--n_layer", "--n_head", "--n_embd")

@@ -1,4 +1,4 @@
-"""The tied wte's two gradients in the compiled backward (compile_guard.scatter_tied_grad): the
+"""The tied wte's two gradients in the compiled backward (compile_settings.scatter_tied_grad): the
 embedding's rows are scattered into the classifier's dW instead of into zeros and then added.
 Checked against eager mode's autograd, which sums the two gradients itself."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.fx
 
-from gpt2_fused.core import compile_guard, config
+from gpt2_fused.training import compile_settings, config
 from model import GPT, GPTConfig
 
 SHAPE = dict(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=500, padded_vocab_size=512)
@@ -17,22 +17,22 @@ def _compiled_grads(model, idx, enabled, monkeypatch, autocast=False):
     with tied_grad_scatter=enabled, and the rewrites each compiled graph had."""
     import torch._inductor.config as inductor_config
 
-    rewrites, rewrite = [], compile_guard.scatter_tied_grad
+    rewrites, rewrite = [], compile_settings.scatter_tied_grad
 
     def counted(graph):
         rewrites.append(rewrite(graph))
         return rewrites[-1]
 
-    monkeypatch.setattr(compile_guard, "scatter_tied_grad", counted)
+    monkeypatch.setattr(compile_settings, "scatter_tied_grad", counted)
     model.zero_grad(set_to_none=True)
     torch._dynamo.reset()
     compiled = torch.compile(model)
     cfg = config.TrainConfig(tied_grad_scatter=enabled, batch_size=8)
-    with compile_guard.compiler_settings(cfg), inductor_config.patch(force_disable_caches=True):
+    with compile_settings.compiler_settings(cfg), inductor_config.patch(force_disable_caches=True):
         with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = compiled(idx, idx)
         loss.backward()
-    monkeypatch.setattr(compile_guard, "scatter_tied_grad", rewrite)
+    monkeypatch.setattr(compile_settings, "scatter_tied_grad", rewrite)
     return {n: p.grad.clone() for n, p in model.named_parameters()}, rewrites
 
 
@@ -75,10 +75,12 @@ def test_torch_2_11s_form_of_the_embedding_backward_is_rewritten_too(monkeypatch
     dw, rows = torch.randn(16, 8, generator=g), torch.randn(12, 8, generator=g)
     idx = torch.randint(0, 16, (12,), generator=g)
     idx[:3] = 5  # repeated ids: their rows add up
-    rewrites, rewrite = [], compile_guard.scatter_tied_grad
-    monkeypatch.setattr(compile_guard, "scatter_tied_grad", lambda gr: rewrites.append(rewrite(gr)))
+    rewrites, rewrite = [], compile_settings.scatter_tied_grad
+    monkeypatch.setattr(
+        compile_settings, "scatter_tied_grad", lambda gr: rewrites.append(rewrite(gr))
+    )
     torch._dynamo.reset()
-    with compile_guard.tied_grad_scatter(), inductor_config.patch(force_disable_caches=True):
+    with compile_settings.tied_grad_scatter(), inductor_config.patch(force_disable_caches=True):
         got = torch.compile(tied_sum)(dw, idx, rows)
     assert rewrites == [1]
     torch.testing.assert_close(got, tied_sum(dw, idx, rows), rtol=1e-6, atol=1e-6)
@@ -99,7 +101,7 @@ def test_the_rewrite_leaves_other_sums_alone():
     w16.meta["val"] = torch.empty(8, 4, dtype=torch.bfloat16)
     add.meta["val"] = torch.empty(8, 4)
     before = [(n.target, n.args) for n in graph.nodes]
-    assert compile_guard.scatter_tied_grad(graph) == 0
+    assert compile_settings.scatter_tied_grad(graph) == 0
     assert [(n.target, n.args) for n in graph.nodes] == before
 
 

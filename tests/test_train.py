@@ -19,11 +19,11 @@ import train
 from conftest import LOSS_PNG, read_log, read_norms
 from data import resolve_dataset
 from data.loader import iter_val_batches
-from gpt2_fused.core import compile_guard, config, model_io
-from gpt2_fused.core.checkpoint import list_checkpoints
-from gpt2_fused.core.compile_guard import CompileMismatch
-from gpt2_fused.core.jsonl import read_jsonl
-from gpt2_fused.core.runlog import RunLog, StepLog, StepStats
+from gpt2_fused.training import compile_guard, compile_settings, config, kept_grads, model_io
+from gpt2_fused.training.checkpoint import list_checkpoints
+from gpt2_fused.training.compile_guard import CompileMismatch
+from gpt2_fused.training.jsonl import read_jsonl
+from gpt2_fused.training.runlog import RunLog, StepLog, StepStats
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -436,7 +436,7 @@ def test_plot_loss(tiny_args, tmp_path, capsys):
 
 def test_loss_curve_without_matplotlib_names_the_command(tmp_path, monkeypatch):
     """Without matplotlib the run's last line is the command that draws the curve."""
-    from gpt2_fused.core import plot
+    from gpt2_fused.training import plot
 
     (tmp_path / "log.jsonl").write_text('{"step": 0, "loss": 6.0}\n')
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # its import now fails
@@ -558,7 +558,7 @@ def test_persistent_rows_keeps_inner_rows_up_to_the_limit_in_registers():
 
     def rule(numel, hint=ReductionHint.INNER, cooperative=False):
         features = _Reduction(numel, hint)
-        return compile_guard._row_is_persistent(features, cooperative, 2048, inductors)
+        return compile_settings._row_is_persistent(features, cooperative, 2048, inductors)
 
     assert rule(1600) is True and rule(sympy.Integer(2048)) is True and rule(1280) is True
     assert rule(2049) == rule(6400) == "inductor's"  # too wide
@@ -570,12 +570,12 @@ def test_persistent_rows_keeps_inner_rows_up_to_the_limit_in_registers():
     assert len(asked) == 7
 
     original = InductorChoices.should_use_persistent_reduction
-    with compile_guard.persistent_rows(2048):
+    with compile_settings.persistent_rows(2048):
         assert InductorChoices.should_use_persistent_reduction is not original
         assert inductor_config.post_grad_custom_post_pass.uuid() == "persistent_rows=2048"
     assert InductorChoices.should_use_persistent_reduction is original
     assert inductor_config.post_grad_custom_post_pass is None
-    with compile_guard.persistent_rows(compile_guard.INDUCTOR_PERSISTENT_ROWS):
+    with compile_settings.persistent_rows(compile_settings.INDUCTOR_PERSISTENT_ROWS):
         assert InductorChoices.should_use_persistent_reduction is original
 
 
@@ -585,7 +585,7 @@ def test_layernorm_partial_rows_sets_inductors_split_for_the_run():
     where none was measured; compiler_settings sets it for the context only."""
     import torch._inductor.config as inductor_config
 
-    split = compile_guard.layernorm_split
+    split = compile_settings.layernorm_split
     assert [split(b * 1024, 768, -1) for b in (8, 16, 32, 64)] == [8, 16, 32, 64]
     assert [split(b * 1024, 1600, -1) for b in (4, 16)] == [16, 64]
     assert split(4 * 1024, 768, -1) is None  # 4 rows a program: not measured
@@ -598,7 +598,7 @@ def test_layernorm_partial_rows_sets_inductors_split_for_the_run():
     for rows, want in ((-1, 8), (0, before), (256, 32)):
         model = GPTConfig(**gpt124)
         cfg = config.TrainConfig(batch_size=8, layernorm_partial_rows=rows, model=model)
-        with compile_guard.compiler_settings(cfg):
+        with compile_settings.compiler_settings(cfg):
             assert inductor_config.triton.mix_order_reduction_split_size == want
         assert inductor_config.triton.mix_order_reduction_split_size == before
 
@@ -613,10 +613,10 @@ FINISHING = (
 
 
 def test_triton_partial_sums_rewrites_inductors_finishing_lines():
-    """Each finishing sum becomes colsum.row_sum of the same rows, anything after the sum kept;
+    """Each finishing sum becomes grad_sums.row_sum of the same rows, anything after the sum kept;
     other reductions and lines are left alone; the rewritten lines run (here in the Triton
     interpreter) and give torch's sums."""
-    rewrite = compile_guard.row_sum_line
+    rewrite = compile_settings.row_sum_line
     assert rewrite(FINISHING[0]) == (
         "buf9 = row_sum(buf7[0 * 1024 * 768 : (0 + 1) * 1024 * 768].view(1024, 768))"
     )
@@ -634,7 +634,7 @@ def test_triton_partial_sums_rewrites_inductors_finishing_lines():
     buf7 = torch.randn(2 * 1024 * 768, device=dev, generator=torch.Generator(dev).manual_seed(0))
     want, got = {"buf7": buf7, "torch": torch}, {"buf7": buf7, "torch": torch}
     exec("\n".join(FINISHING), want)
-    exec("\n".join([compile_guard.ROW_SUM_IMPORT, *map(rewrite, FINISHING)]), got)
+    exec("\n".join([compile_settings.ROW_SUM_IMPORT, *map(rewrite, FINISHING)]), got)
     for name in ("buf9", "buf10"):
         assert got[name].dtype == want[name].dtype
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-4)
@@ -653,7 +653,7 @@ def test_inductor_still_writes_the_finishing_line_that_is_rewritten():
     line = template.format(buffer_name="buf9", ws_name="buf7", start="0 * 1024 * 768",
                            end="(0 + 1) * 1024 * 768", nsplit="1024", rnumel="768",
                            opname="sum")  # fmt: skip
-    assert compile_guard.row_sum_line(line) is not None
+    assert compile_settings.row_sum_line(line) is not None
 
 
 def test_triton_partial_sums_rewrites_what_the_mix_order_codegen_writes(monkeypatch):
@@ -683,19 +683,19 @@ def test_triton_partial_sums_rewrites_what_the_mix_order_codegen_writes(monkeypa
     sched = SIMDScheduling.__new__(SIMDScheduling)
     graph = types.SimpleNamespace(wrapper_code=Wrapper())
     with V.set_graph_handler(graph):
-        with compile_guard.persistent_rows(2048), compile_guard.triton_partial_sums():
+        with compile_settings.persistent_rows(2048), compile_settings.triton_partial_sums():
             tag = inductor_config.post_grad_custom_post_pass.uuid()
             sched._codegen_mix_order_reduction(2, 1)
             graph.wrapper_code.writeline(FINISHING[0])  # outside the codegen: as it is
         sched._codegen_mix_order_reduction(1, 2)  # outside the context: as it is
-        with compile_guard.triton_partial_sums(enabled=False):
+        with compile_settings.triton_partial_sums(enabled=False):
             assert SIMDScheduling._codegen_mix_order_reduction is inductors
     assert tag == "persistent_rows=2048,triton_partial_sums"
     assert inductor_config.post_grad_custom_post_pass is None
     assert SIMDScheduling._codegen_mix_order_reduction is inductors
     assert "writeline" not in vars(graph.wrapper_code)
-    row_sums = [compile_guard.ROW_SUM_IMPORT, compile_guard.row_sum_line(FINISHING[0])]
-    row_sums += [compile_guard.ROW_SUM_IMPORT, compile_guard.row_sum_line(FINISHING[1])]
+    row_sums = [compile_settings.ROW_SUM_IMPORT, compile_settings.row_sum_line(FINISHING[0])]
+    row_sums += [compile_settings.ROW_SUM_IMPORT, compile_settings.row_sum_line(FINISHING[1])]
     kernel = ["# Call mix order reduction kernel"]
     assert graph.wrapper_code.lines == kernel + row_sums + [FINISHING[0]] + kernel + [*FINISHING]
 
@@ -705,7 +705,7 @@ def test_triton_partial_sums_rewrites_what_the_mix_order_codegen_writes(monkeypa
 @pytest.mark.parametrize("rows, width", [(16384, 768), (16384, 1600)])
 def test_gpu_layernorm_backward_sums_are_finished_by_row_sum(rows, width):
     """A block's LayerNorm (bf16 stream, fp32 weight and bias) compiled forward and backward
-    under the trainer's settings: its dw and db partial sums end in colsum.row_sum, not in
+    under the trainer's settings: its dw and db partial sums end in grad_sums.row_sum, not in
     torch's sum, and the gradients match float64 torch as closely as with torch's sum."""
     import torch._inductor.config as inductor_config
     from torch._inductor.utils import run_and_get_code
@@ -734,7 +734,7 @@ def test_gpu_layernorm_backward_sums_are_finished_by_row_sum(rows, width):
             return torch.autograd.grad(fn(x, w, b), (x, w, b), (dh, dr))
 
         fresh = inductor_config.patch(force_disable_caches=True)
-        with compile_guard.compiler_settings(cfg), fresh:
+        with compile_settings.compiler_settings(cfg), fresh:
             got, codes = run_and_get_code(step)
         code = "\n".join(codes)
         assert ("row_sum(" in code) == enabled and (".sum(dim=0)" in code) != enabled, code
@@ -763,7 +763,7 @@ def test_gpu_wide_layernorm_compiles_to_one_read_of_each_row(width):
             return x, ln(x).to(torch.bfloat16)
 
     torch._dynamo.reset()
-    with compile_guard.compiler_settings(config.TrainConfig(batch_size=8)):
+    with compile_settings.compiler_settings(config.TrainConfig(batch_size=8)):
         out, codes = run_and_get_code(torch.compile(block), x, branch)
     kernels = [k for code in codes for k in re.findall(r"def (triton_\w+)\(", code)]
     norms = [k for k in kernels if "layer_norm" in k]
@@ -785,7 +785,7 @@ def test_z_loss_leaves_the_compiled_training_graph_whole():
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="eager")
-    with compile_guard.compiler_settings(config.TrainConfig(batch_size=8)):
+    with compile_settings.compiler_settings(config.TrainConfig(batch_size=8)):
         model.eval()
         with torch.no_grad():
             compiled(idx, idx)  # step 0 validates first
@@ -900,7 +900,7 @@ def test_gpu_train_main_compiled_with_checks(tiny_args, tmp_path, capsys, mode):
 
 @pytest.mark.parametrize("by_grad", [True, False], ids=["by_grad", "autograd_adds"])
 def test_kept_grads_sum_the_micro_batches_of_each_step(by_grad):
-    """compile_guard.KeptGrads: over two steps of three micro-batches each, the kept grads are
+    """kept_grads.KeptGrads: over two steps of three micro-batches each, the kept grads are
     the sum of plain backward()s from zero (by_grad: autograd.grad's outputs copied in by the
     first micro-batch, added by the others; else autograd's own adds, zeroed after the step),
     views of one flat buffer at 16-byte addresses; a parameter the loss does not reach keeps a
@@ -919,7 +919,7 @@ def test_kept_grads_sum_the_micro_batches_of_each_step(by_grad):
                 for p in model.parameters()]  # fmt: skip
 
     refs = [reference(0), reference(1)]
-    kept = compile_guard.KeptGrads(model, by_grad=by_grad)
+    kept = kept_grads.KeptGrads(model, by_grad=by_grad)
     flat = kept.flat
     for step in range(2):
         for i, b in enumerate(batches[3 * step : 3 * step + 3]):
@@ -969,7 +969,7 @@ def small_cuda_model_and_batches(n):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_graphs_accumulate_gradients_as_eager_mode_does():
     """Three micro-batches through the model compiled with CUDA graphs, grads kept as train.py
-    keeps them there (compile_guard.KeptGrads, by_grad: autograd.grad's outputs copied, then
+    keeps them there (kept_grads.KeptGrads, by_grad: autograd.grad's outputs copied, then
     added, into views of one flat buffer, which they stay): their sum is eager mode's, at the
     warm-up, recording and replaying calls alike, and a second step's replaces the first's.
     Without kept grads the second micro-batch's replay overwrites the first one's
@@ -994,7 +994,7 @@ def test_gpu_cuda_graphs_accumulate_gradients_as_eager_mode_does():
 
     ref = grads(model, None)
     compiled = torch.compile(model, mode="reduce-overhead")
-    kept = compile_guard.KeptGrads(model, by_grad=True)
+    kept = kept_grads.KeptGrads(model, by_grad=True)
     for _ in range(3):  # warm-up, recording, replay; each step starts from the last one's grads
         got = grads(compiled, kept)
         kept.zero()  # as train.py's step: by_grad, nothing (the first micro-batch overwrites)
@@ -1054,7 +1054,7 @@ def test_gpu_compiled_xl_width_step_matches_eager(loss_impl):
 
     eager_loss, eager_grads = step(model)
     torch._dynamo.reset()
-    with compile_guard.compiler_settings(config.TrainConfig(batch_size=8)):
+    with compile_settings.compiler_settings(config.TrainConfig(batch_size=8)):
         loss, grads = step(torch.compile(model))
     torch.testing.assert_close(loss, eager_loss, rtol=0, atol=1e-3)
     for g, ref in zip(grads, eager_grads, strict=True):  # bf16 noise: ~1e-2 relative at most
@@ -1063,7 +1063,7 @@ def test_gpu_compiled_xl_width_step_matches_eager(loss_impl):
 
 _HEAP_PROBE = """
 import ctypes, sys, torch
-from gpt2_fused.core import device
+from gpt2_fused.training import hardware
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33, <malloc.h>
     _names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
     _fields_ = [(name, ctypes.c_size_t) for name in _names.split()]
@@ -1071,7 +1071,7 @@ libc = ctypes.CDLL(None)
 if not hasattr(libc, "mallinfo2"):
     sys.exit(3)
 libc.mallinfo2.restype = MallInfo2
-print(device.keep_freed_memory() if sys.argv[1] == "keep" else None)
+print(hardware.keep_freed_memory() if sys.argv[1] == "keep" else None)
 before = libc.mallinfo2()
 block = torch.empty(64 << 20, dtype=torch.uint8)
 alive = libc.mallinfo2()

@@ -1,11 +1,11 @@
-"""gpt2_fused/core/weight_casts.py: the matmul parameters' bf16 casts kept by MultiTensorAdamW,
+"""gpt2_fused/training/weight_casts.py: the matmul parameters' bf16 casts kept by MultiTensorAdamW,
 against the casts the forward makes per call (the path without them)."""
 
 import pytest
 import torch
 
-from gpt2_fused.core import weight_casts
 from gpt2_fused.kernels.adamw import MultiTensorAdamW
+from gpt2_fused.training import weight_casts
 from model import GPT, GPTConfig
 
 KW = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, padded_vocab_size=64)
@@ -39,11 +39,11 @@ def test_attach_keeps_each_fast_linear_cast_through_steps():
     opt = MultiTensorAdamW(model.parameters(), lr=1e-2)
     assert weight_casts.attach(model, opt, torch.bfloat16) == 4 * KW["n_layer"] + 1  # + lm_head
     pairs = [
-        (p, c) for m in _linears(model) for p, c in zip(m.parameters(), m.kept_casts, strict=True)
+        (p, c) for m in _linears(model) for p, c in zip(m.parameters(), m.weight_casts, strict=True)
     ]
     assert len(pairs) == 8 * KW["n_layer"]  # weights and biases
-    assert model.lm_head.kept_casts[1] is None  # no bias
-    pairs.append((model.lm_head.weight, model.lm_head.kept_casts[0]))  # the tied embedding
+    assert model.lm_head.weight_casts[1] is None  # no bias
+    pairs.append((model.lm_head.weight, model.lm_head.weight_casts[0]))  # the tied embedding
     base = pairs[0][1].untyped_storage().data_ptr()
     for p, c in pairs:
         assert c.dtype == torch.bfloat16 and c.shape == p.shape and c.is_contiguous()
@@ -68,24 +68,24 @@ def test_attach_only_where_the_optimizer_keeps_every_update():
     model = _model()
     assert weight_casts.attach(model, torch.optim.AdamW(model.parameters()), torch.bfloat16) == 0
     assert weight_casts.attach(model, MultiTensorAdamW(model.parameters()), torch.float32) == 0
-    assert all(m.kept_casts == (None, None) for m in _linears(model))
-    assert model.lm_head.kept_casts == (None, None)
+    assert all(m.weight_casts == (None, None) for m in _linears(model))
+    assert model.lm_head.weight_casts == (None, None)
     off = _model(fast=False)
     assert weight_casts.attach(off, MultiTensorAdamW(off.parameters()), torch.bfloat16) == 1
-    assert all(m.kept_casts == (None, None) for m in _linears(off))
-    assert off.lm_head.kept_casts[0] is not None  # the fused loss reads it on any path
+    assert all(m.weight_casts == (None, None) for m in _linears(off))
+    assert off.lm_head.weight_casts[0] is not None  # the fused loss reads it on any path
     torch.manual_seed(0)
     no_bias = GPT(GPTConfig(**KW, bias=False, loss_impl="torch"))  # the fast ops need biases
     for block in no_bias.transformer.h:
         block.attn.use_fast = block.mlp.use_cublaslt = True
     assert weight_casts.attach(no_bias, MultiTensorAdamW(no_bias.parameters()), torch.bfloat16) == 0
-    assert no_bias.lm_head.kept_casts == (None, None)
+    assert no_bias.lm_head.weight_casts == (None, None)
     model.transformer.h[0].mlp.fp8_state = object()
     opt = MultiTensorAdamW(model.parameters())
     assert weight_casts.attach(model, opt, torch.float16) == 4 * KW["n_layer"] - 2 + 1
-    assert model.transformer.h[0].mlp.c_fc.kept_casts == (None, None)
-    assert model.transformer.h[1].mlp.c_fc.kept_casts[1].dtype == torch.float16
-    assert model.lm_head.weight in opt.casts  # the tied embedding, for the fused loss
+    assert model.transformer.h[0].mlp.c_fc.weight_casts == (None, None)
+    assert model.transformer.h[1].mlp.c_fc.weight_casts[1].dtype == torch.float16
+    assert model.lm_head.weight in opt.weight_casts  # the tied embedding, for the fused loss
 
 
 def _train(model, steps, mode):
@@ -111,7 +111,7 @@ def _train(model, steps, mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_kept_casts_train_as_per_call_casts():
+def test_gpu_weight_casts_train_as_per_call_casts():
     """Compiled with CUDA graphs (the casts as static inputs the optimizer rewrites between
     replays), 4 steps: the same losses and weights as the per-call casts. A stale cast would be
     a step's update, ~lr = 3e-3, off. One sequence of distinct tokens a step, so that no

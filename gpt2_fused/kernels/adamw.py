@@ -18,11 +18,12 @@ Per parameter (fp32 throughout; torch's fused AdamW's order of operations):
 Bytes per parameter: 28 (reads p g m v, writes p m v); the grads are not written back (torch's
 fused step with grad_scale stores the scaled grads). total_norm reads the grads once more (4).
 `found_inf` (a device scalar, as torch's fused AdamW takes it from GradScaler) skips the update
-where it is non-zero: fp16's loss scaling, gpt2_fused/core/loss_scale.py. Unlike torch's, the step
-count t still advances on a skipped step (it is a host number; taking it back would read the GPU).
-`casts` (param -> a bf16/fp16 tensor of its shape) adds a fifth row of addresses: the kernel
+where it is non-zero: fp16's loss scaling, gpt2_fused/training/loss_scale.py. Unlike torch's, the
+step count t still advances on a skipped step (it is a host number; taking it back would read
+the GPU).
+`weight_casts` (param -> a bf16/fp16 tensor of its shape) adds a fifth row of addresses: the kernel
 also writes p's cast to the compute dtype there (2 bytes), the copy the forward's matmuls read
-instead of casting the weight every micro-batch (6 bytes; gpt2_fused/core/weight_casts.py).
+instead of casting the weight every micro-batch (6 bytes; gpt2_fused/training/weight_casts.py).
 The state is torch.optim.AdamW's (exp_avg, exp_avg_sq, a CPU float32 step), so checkpoints move
 between the two. adamw_reference and total_norm_reference are the same in plain torch (and
 tests/test_adamw.py also checks against torch.optim.AdamW).
@@ -127,11 +128,11 @@ class MultiTensorAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.grad_scale = self.found_inf = None
-        self.casts = {}  # param -> its cast to the compute dtype, written each step (set_casts)
+        self.weight_casts = {}  # param -> its cast to the compute dtype, written each step
         self._blocks = {}  # (numel, ...) -> (block_tensor, block_start) on the device
         self._tables = None  # (key of addresses, ptrs, numels, wds, aligned) of the last step
 
-    def set_casts(self, casts):
+    def set_weight_casts(self, casts):
         """From now on each step also writes every parameter's new value, rounded to nearest,
         into casts[param]: contiguous, the parameter's shape, all bf16 or all fp16. Whoever
         reads them must start from copies of the current values (weight_casts.py does)."""
@@ -142,7 +143,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
             if c.shape != p.shape or not c.is_contiguous() or c.device != p.device:
                 raise ValueError("MultiTensorAdamW: a cast must be contiguous, shaped and placed "
                                  "as its parameter")  # fmt: skip
-        self.casts = dict(casts)
+        self.weight_casts = dict(casts)
 
     def _hyper(self):
         """(lr, betas, eps), the same in every group (only the weight decay is per tensor)."""
@@ -190,8 +191,9 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         ptrs = [p.data_ptr() for p, _ in live] + [p.grad.data_ptr() for p, _ in live]
         ptrs += [self.state[p]["exp_avg"].data_ptr() for p, _ in live]
         ptrs += [self.state[p]["exp_avg_sq"].data_ptr() for p, _ in live]
-        if self.casts:
-            ptrs += [self.casts[p].data_ptr() if p in self.casts else 0 for p, _ in live]
+        if self.weight_casts:
+            casts = self.weight_casts
+            ptrs += [casts[p].data_ptr() if p in casts else 0 for p, _ in live]
         key = (tuple(ptrs), tuple(wd for _, wd in live))
         if self._tables is None or self._tables[0] != key:
             self._tables = (
@@ -247,12 +249,12 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         scale = self.grad_scale
         if scale is None:
             scale = torch.ones((), device=ptrs.device)
-        found_inf = self.found_inf
+        found_inf, casts = self.found_inf, self.weight_casts
         adamw_kernel[(block_tensor.numel(),)](
             ptrs, numels, wds, block_tensor, block_start, scale,
             scale if found_inf is None else found_inf, len(live), lr, beta1, beta2, eps,
             lr / (1 - beta1**t), (1 - beta2**t) ** 0.5, BLOCK=BLOCK, ALIGNED=aligned,
-            CASTS=CAST_CODES[next(iter(self.casts.values())).dtype] if self.casts else 0,
+            CASTS=CAST_CODES[next(iter(casts.values())).dtype] if casts else 0,
             SKIPPABLE=found_inf is not None, INTERPRETED=ptrs.device.type != "cuda",
             num_warps=NUM_WARPS,
         )  # fmt: skip
@@ -260,11 +262,11 @@ class MultiTensorAdamW(torch.optim.Optimizer):
 
 
 def adamw_reference(params, grads, exp_avgs, exp_avg_sqs, step, *, lr, betas, eps, weight_decays,
-                    grad_scale=None, casts=None):  # fmt: skip
+                    grad_scale=None, weight_casts=None):  # fmt: skip
     """One MultiTensorAdamW update in plain torch, in place on params, exp_avgs, exp_avg_sqs
     (lists of fp32 tensors), in the kernel's order of operations; step: t, the count after this
     update; weight_decays: one per tensor; grad_scale: None or the scalar every grad is divided
-    by; casts: None or one tensor (or None) per param, given the new value's cast."""
+    by; weight_casts: None or one tensor (or None) per param, given the new value's cast."""
     beta1, beta2 = betas
     step_size, bc2_sqrt = lr / (1 - beta1**step), (1 - beta2**step) ** 0.5
     for p, g, m, v, wd in zip(params, grads, exp_avgs, exp_avg_sqs, weight_decays, strict=True):
@@ -273,7 +275,7 @@ def adamw_reference(params, grads, exp_avgs, exp_avg_sqs, step, *, lr, betas, ep
         m.copy_(beta1 * m + (1.0 - beta1) * g)
         v.copy_(beta2 * v + (1.0 - beta2) * g * g)
         p.sub_(step_size * m / (v.sqrt() / bc2_sqrt + eps))
-    for p, c in zip(params, casts or [None] * len(params), strict=True):
+    for p, c in zip(params, weight_casts or [None] * len(params), strict=True):
         if c is not None:
             c.copy_(p)
 

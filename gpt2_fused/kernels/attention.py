@@ -5,7 +5,7 @@ and a backward that lays out and sums the qkv gradient in one pass.
     y = softmax(q k^T / sqrt(hs) + causal mask) v      per head of hs = C / nh: y (B, T, C)
 Backward:
     dq, dk, dv = cuDNN's attention backward     each (B, T, C) in memory, as q is in qkv
-    dqkv, db = [dq | dk | dv], its column sums  one Triton pass (colsum.qkv_grad)
+    dqkv, db = [dq | dk | dv], its column sums  one Triton pass (grad_sums.qkv_grad)
     dx = dqkv @ W,  dW = dqkv.T @ x            cuBLAS; dW leaves the GEMM in W's own dtype
 What goes against c_attn = nn.Linear + F.scaled_dot_product_attention under torch.compile
 (bench/RESULTS.md#attention): there, the backward of the qkv split is a copy into
@@ -27,9 +27,9 @@ attention_reference and proj_residual_reference are the same two ops in plain to
 import torch
 import torch.nn.functional as F
 
-from gpt2_fused.kernels.colsum import qkv_grad
 from gpt2_fused.kernels.fast_paths import gpu_runs
-from gpt2_fused.kernels.mlp import as_compute, half_compute_dtype, linear_add, mm_as
+from gpt2_fused.kernels.gemm import as_compute, half_compute_dtype, linear_add, mm_as
+from gpt2_fused.kernels.grad_sums import qkv_grad
 
 
 def available():
@@ -109,10 +109,10 @@ def _backward(ctx, dy, _dqkv, _dlse, _dseed, _doffset):
 attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention_fast(x, w, b, n_head, casts=(None, None)):
+def attention_fast(x, w, b, n_head, weight_casts=(None, None)):
     """y (B, T, C) before c_proj for x (B, T, C) on CUDA, in bf16/fp16 or under such autocast,
-    causal, no dropout; None where the op does not apply. casts: w's and b's kept casts, or
-    None (mlp.as_compute). Only tensor metadata is read here, so that Dynamo traces it into the
+    causal, no dropout; None where the op does not apply. weight_casts: w's and b's kept casts, or
+    None (gemm.as_compute). Only tensor metadata is read here, so that Dynamo traces it into the
     graph."""
     if not x.is_cuda or b is None or x.dim() != 3:
         return None
@@ -121,7 +121,7 @@ def attention_fast(x, w, b, n_head, casts=(None, None)):
     hs = C // n_head
     if dt is None or C % n_head or hs % 8 or hs > 128:
         return None
-    w_c, b_c = (as_compute(t, c, dt) for t, c in zip((w, b), casts, strict=True))
+    w_c, b_c = (as_compute(t, c, dt) for t, c in zip((w, b), weight_casts, strict=True))
     y, *_ = attention(x.to(dt), w, w_c, b, b_c, n_head)
     return y
 
@@ -135,7 +135,7 @@ def proj_residual(
     b_c: torch.Tensor,
     residual: torch.Tensor,
 ) -> torch.Tensor:
-    """residual + y @ w_c.T + b_c (mlp.linear_add): y (M, C) and residual (M, C) contiguous in
+    """residual + y @ w_c.T + b_c (gemm.linear_add): y (M, C) and residual (M, C) contiguous in
     the compute dtype, w_c (C, C) and b_c the casts of the parameters w, b (only their dtypes
     are read)."""
     return linear_add(y, w_c, b_c, residual)
@@ -162,11 +162,11 @@ def _proj_backward(ctx, dout):
 proj_residual.register_autograd(_proj_backward, setup_context=_proj_setup)
 
 
-def proj_residual_fast(y, w, b, residual, casts=(None, None)):
+def proj_residual_fast(y, w, b, residual, weight_casts=(None, None)):
     """residual + c_proj(y) for y, residual (B, T, C) on CUDA in bf16/fp16 (or under such
     autocast), residual in the compute dtype; None where the op does not apply (the caller adds
-    residual + F.linear(y, w, b)); casts as attention_fast's. Only tensor metadata is read here
-    (Dynamo traces it)."""
+    residual + F.linear(y, w, b)); weight_casts as attention_fast's. Only tensor metadata is read
+    here (Dynamo traces it)."""
     if not y.is_cuda or b is None:
         return None
     dt = half_compute_dtype(y)
@@ -175,7 +175,7 @@ def proj_residual_fast(y, w, b, residual, casts=(None, None)):
     if residual.shape != y.shape or not residual.is_contiguous():
         return None
     C = y.shape[-1]
-    w_c, b_c = (as_compute(t, c, dt) for t, c in zip((w, b), casts, strict=True))
+    w_c, b_c = (as_compute(t, c, dt) for t, c in zip((w, b), weight_casts, strict=True))
     out = proj_residual(y.to(dt).reshape(-1, C), w, w_c, b, b_c, residual.view(-1, C))
     return out.view(residual.shape)
 

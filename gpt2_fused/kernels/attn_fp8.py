@@ -11,7 +11,7 @@ Backward, from dout:
     d8, d8T, db_proj = e5m2(dout * s_d), ..., sum_rows(dout)            act_fp8 "copy"
     dW_proj = d8T o8T^T,  do = d8 W_proj8
     dq, dk, dv = the attention's backward of do
-    dqkv, db_attn = [dq | dk | dv], its column sums                     colsum.qkv_grad
+    dqkv, db_attn = [dq | dk | dv], its column sums                     grad_sums.qkv_grad
     q8, q8T = e5m2(dqkv * s_q)                                          act_fp8 "copy"
     dW_attn = q8T y8T^T,  dy = q8 W_attn8,  dx = dout + LayerNorm's backward of dy
 Scales: tensorwise and delayed (fp8_gemm.py), the weights' too: their cast writes W8 and W8^T.
@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from gpt2_fused.kernels.act_fp8 import act_fp8, transpose_fp8
-from gpt2_fused.kernels.colsum import qkv_grad
 from gpt2_fused.kernels.fp8_gemm import E5, Fp8State
 from gpt2_fused.kernels.fp8_gemm import scaled_mm as _mm
+from gpt2_fused.kernels.grad_sums import qkv_grad
 from gpt2_fused.kernels.ln_fp8 import ln_backward, ln_fp8
 
 # the delayed-scaled tensors: LN output, attention out, dout, dqkv, and the two weights

@@ -1,7 +1,7 @@
 """Which GPUs and compute dtypes each fast path runs on: one table (FAST_PATHS), read by the code
 that picks a path and by the start-up notice (notice()) that names those a run falls back from.
 
-A path runs on CUDA where the GPU's compute capability (device.capability(), which
+A path runs on CUDA where the GPU's compute capability (launch.capability(), which
 GPT2_FUSED_FORCE_CAPABILITY overrides) lies in [lowest, below) and the matmuls' dtype (autocast's,
 else the tensors') is one of its dtypes; elsewhere its twin runs, the same math in plain torch
 unless the row says otherwise. On a CPU the Triton kernels run in the interpreter (tests) and the
@@ -21,7 +21,7 @@ Why each bound:
   tests/test_fast_paths.py). The epilogue's E reaches e^60, past fp16
   (linear_cross_entropy.use_single_read): bf16 only. The other paths take fp16 as torch's ops do
   (their GEMMs accumulate in fp32, the upstream gradient arrives scaled).
-- fp8 (--fp8, gpt2_fused/core/fp8.py): FP8 tensor cores, sm_89 and later; a run that asks for it
+- fp8 (--fp8, gpt2_fused/training/fp8.py): FP8 tensor cores, sm_89 and later; a run that asks for it
   on an older GPU stops with one line instead of falling back.
 """
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpt2_fused.kernels.device import capability
+from gpt2_fused.kernels.launch import capability
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

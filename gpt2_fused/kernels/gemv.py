@@ -32,9 +32,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gpt2_fused.kernels.device import num_sms
 from gpt2_fused.kernels.fast_paths import gpu_runs
 from gpt2_fused.kernels.interpreter import to_dtype
+from gpt2_fused.kernels.launch import num_sms
 
 ELEMENTS = 8192  # weight elements a program loads (BLOCK_N rows of KP): 16 KB of bf16
 NUM_WARPS = 4

@@ -10,7 +10,7 @@ Forward, one opaque op (mlp_gelu):
 Backward (plain torch ops, so under torch.compile Inductor traces and fuses them, e.g. the two
 bias sums), but for the GELU gradient:
     dh = (dout @ W_proj) * gelu_tanh'(h)     one GEMM, DGELU epilogue (dgelu_mm)
-    dx = dh @ W_fc, dW_fc = dh.T @ x, db_fc = sum_rows dh (colsum.py), dW_proj = dout.T @ a,
+    dx = dh @ W_fc, dW_fc = dh.T @ x, db_fc = sum_rows dh (grad_sums.py), dW_proj = dout.T @ a,
     db_proj = sum dout
     dr = dout                                (the residual passes the gradient through)
 The GEMMs run in the compute dtype (bf16 under autocast, on the caller's casts of the weights)
@@ -41,8 +41,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from gpt2_fused.kernels.colsum import colsum
-from gpt2_fused.kernels.cublaslt import EPI_BIAS, EPI_DGELU, EPI_GELU_AUX_BIAS, matmul
+from gpt2_fused.kernels.cublaslt import EPI_DGELU, EPI_GELU_AUX_BIAS, matmul
+from gpt2_fused.kernels.gemm import as_compute, half_compute_dtype, linear_add, mm_as
+from gpt2_fused.kernels.grad_sums import colsum
 
 
 @torch.library.custom_op("gpt2_fused::dgelu_mm", mutates_args=())
@@ -96,13 +97,6 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, w_fc_c, w_proj_c, h, a)
 
 
-def mm_as(a, b, dtype):
-    """a @ b with fp32 accumulation, the result in `dtype` (fp32 as the GEMM writes it: CUDA)."""
-    if dtype == a.dtype:
-        return a @ b
-    return torch.mm(a, b, out_dtype=torch.float32).to(dtype)
-
-
 def _backward(ctx, dout, _dh, _da):
     x, w_fc_c, w_proj_c, h, a = ctx.saved_tensors
     dw_fc, db_fc, dw_proj, db_proj = ctx.dtypes
@@ -111,7 +105,7 @@ def _backward(ctx, dout, _dh, _da):
         dh @ w_fc_c,
         mm_as(dh.t(), x, dw_fc),
         None,
-        colsum(dh).to(db_fc),  # faster than Inductor's column sum here (colsum.py)
+        colsum(dh).to(db_fc),  # faster than Inductor's column sum here (grad_sums.py)
         None,
         mm_as(dout.t(), a, dw_proj),
         None,
@@ -124,35 +118,12 @@ def _backward(ctx, dout, _dh, _da):
 mlp_gelu.register_autograd(_backward, setup_context=_setup_context)
 
 
-def linear_add(a, w_c, b_c, residual):
-    """residual + a @ w_c.T + b_c as one cuBLASLt GEMM (C = residual, BIAS epilogue; out a new
-    buffer): a (M, K), w_c (N, K), b_c (N,) and residual (M, N) contiguous, all in the compute
-    dtype. A residual that is not 16-byte aligned (which cublaslt.matmul refuses as C) gets addmm
-    + add. The c_proj of the MLP (above) and of attention (attention.proj_residual)."""
-    if residual.data_ptr() % 16:
-        return torch.addmm(b_c, a, w_c.t()).add_(residual)
-    out = torch.empty_like(residual)
-    return matmul(a, w_c.t(), out, bias=b_c, c=residual, beta=1.0, epilogue=EPI_BIAS)
-
-
-def half_compute_dtype(x):
-    """The dtype x's matmuls run in on CUDA (autocast's, else x's own) when it is bf16 or fp16,
-    else None: where the cuBLASLt and cuDNN paths of this package apply (model.py's fast paths)."""
-    dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
-    return dt if dt in (torch.bfloat16, torch.float16) else None
-
-
-def as_compute(w, cast, dt):
-    """w in the compute dtype dt: its kept cast when there is one in dt, else w.to(dt)."""
-    return cast if cast is not None and cast.dtype == dt else w.to(dt)
-
-
-def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None, casts=(None,) * 4):
+def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None, weight_casts=(None,) * 4):
     """c_proj(gelu_tanh(c_fc(x))), plus residual if given (out's shape), for x (..., D) on CUDA,
     in bf16/fp16 or under such autocast; None where the epilogues do not apply (the caller then
-    runs residual + mlp_reference). casts: the parameters' casts to the compute dtype, in their
-    order, where the caller keeps them (gpt2_fused/core/weight_casts.py), else None: cast here.
-    Only tensor metadata is read here, so that Dynamo traces it into the graph."""
+    runs residual + mlp_reference). weight_casts: the parameters' casts to the compute dtype, in
+    their order, where the caller keeps them (gpt2_fused/training/weight_casts.py), else None: cast
+    here. Only tensor metadata is read here, so that Dynamo traces it into the graph."""
     if not x.is_cuda or b_fc is None or b_proj is None:
         return None
     dt = half_compute_dtype(x)
@@ -169,7 +140,7 @@ def mlp_cublaslt(x, w_fc, b_fc, w_proj, b_proj, residual=None, casts=(None,) * 4
     r = residual.view(-1, shape[-1]) if fused else None  # (M, D)
     params = (w_fc, b_fc, w_proj, b_proj)
     w_fc_c, b_fc_c, w_proj_c, b_proj_c = (
-        as_compute(t, c, dt) for t, c in zip(params, casts, strict=True)
+        as_compute(t, c, dt) for t, c in zip(params, weight_casts, strict=True)
     )
     out, _, _ = mlp_gelu(x, w_fc, w_fc_c, b_fc, b_fc_c, w_proj, w_proj_c, b_proj, b_proj_c, r)
     out = out.view(shape)

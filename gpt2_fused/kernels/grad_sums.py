@@ -1,5 +1,7 @@
-"""Column sums of a tall (M, N) gradient, the bias gradient of a linear layer, in two passes that
-read it once; optionally laid out as the concatenation of three (M, C) parts as they are read.
+"""Gradients summed over a micro-batch's rows. Column sums of a tall (M, N) gradient, the bias
+gradient of a linear layer, in two passes that read it once; optionally laid out as the
+concatenation of three (M, C) parts as they are read (the qkv gradient); and the last pass alone,
+for the partial sums of LayerNorm's dw and db that Inductor leaves.
 
     colsum(t)             t (M, N) -> sum_m t[m] (N,) fp32
     qkv_grad(dq, dk, dv)  each (M, C) -> ([dq | dk | dv] (M, 3C), its column sums (3C,) fp32)
@@ -19,7 +21,7 @@ of the additions is fixed, so the result is the same from run to run (no atomics
 interpreter the same kernels run (16-bit values are only loaded, stored and widened to fp32).
 colsum_reference / qkv_grad_reference are the same in torch.
 row_sum is pass 2 alone, launched for P of a few hundred to a thousand rows: the partial dw and
-db sums that Inductor leaves for each LayerNorm backward (compile_guard.triton_partial_sums has
+db sums that Inductor leaves for each LayerNorm backward (compile_settings.triton_partial_sums has
 its generated code call row_sum in place of ATen's column sum, which at these shapes takes a
 memset and 6-11 us; bench/RESULTS.md#layernorm-backwards-column-sums). Its reference is t.sum(0).
 Both ops are torch.library.triton_ops: called eagerly they launch the kernels themselves; inside
@@ -33,12 +35,12 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from gpt2_fused.kernels.device import num_sms
+from gpt2_fused.kernels.launch import num_sms
 
 # pass 1's launch: elements of one of the two tiles a program reads per step (BM rows x BN
 # columns), its warps and how many programs per SM (the rows are split so): 3 is what stays
-# resident at this tile (~160 registers a thread, tests/test_colsum.py), one wave; other launches
-# are timed by bench/bench_colsum.py (bench/RESULTS.md#attention)
+# resident at this tile (~160 registers a thread, tests/test_grad_sums.py), one wave; other launches
+# are timed by bench/bench_grad_sums.py (bench/RESULTS.md#attention)
 LAUNCH = {
     "cuda": dict(tile=8192, num_warps=4, per_sm=3),
     "cpu": dict(tile=256, num_warps=1, per_sm=1),
@@ -117,7 +119,7 @@ ROW_SUM_TILE = 4096
 def row_sum(t):
     """The sum of the rows of t (P, N) fp32, row-major: (N,) fp32, added in row order (the same
     bits every call), one launch. A plain function, not an op: Inductor's generated wrapper calls
-    it (compile_guard.triton_partial_sums), so no dispatcher sits in front of the launch."""
+    it (compile_settings.triton_partial_sums), so no dispatcher sits in front of the launch."""
     if t.dim() != 2 or t.dtype != torch.float32 or t.stride() != (t.shape[1], 1):
         raise ValueError(f"row_sum: a row-major (P, N) fp32 tensor, got {t.dtype} "
                          f"{tuple(t.shape)} strides {t.stride()}")  # fmt: skip

@@ -37,8 +37,8 @@ import re
 import torch
 from torch import nn
 
-from gpt2_fused.kernels.device import capability
 from gpt2_fused.kernels.fast_paths import gpu_runs
+from gpt2_fused.kernels.launch import capability
 
 RECIPES = ("off", "tensorwise", "rowwise", "fused")
 # torchao 0.17 is the first release built against torch's stable ABI (torch 2.11 and later);
@@ -128,7 +128,7 @@ def _check_gpu(recipe, device):
 
 def convert(model, recipe, fully_sharded):
     """Swap the blocks' Linears of `model` (a model.GPT on its device, before torch.compile, DDP
-    or sharding's shard_model) for torchao's Float8Linear, in place; their names. fully_sharded
+    or data_parallel's shard_model) for torchao's Float8Linear, in place; their names. fully_sharded
     (FSDP2) and tensorwise: their weights become torchao's float8 all-gather wrappers."""
     if recipe == "off":
         return []

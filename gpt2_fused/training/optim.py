@@ -6,10 +6,10 @@ import math
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from gpt2_fused.core.config import ConfigError
-from gpt2_fused.core.muon import muon_parts
 from gpt2_fused.kernels.adamw import MultiTensorAdamW
 from gpt2_fused.kernels.fast_paths import gpu_runs
+from gpt2_fused.training.config import ConfigError
+from gpt2_fused.training.muon import muon_parts
 
 
 def adamw_parts(model, cfg, device):
@@ -17,7 +17,8 @@ def adamw_parts(model, cfg, device):
     >= 2-D tensors (matmul weights, embeddings), not on biases or LayerNorm gains. On CUDA:
     MultiTensorAdamW (one Triton launch) for fp32 parameters unless adamw_impl="torch" or the GPU
     is one it does not run on (kernels/fast_paths.py), else torch's fused kernel. Both keep the
-    same state (checkpoints move). sharding.py wraps the same parts in ZeroRedundancyOptimizer."""
+    same state (checkpoints move). data_parallel.py wraps the same parts in
+    ZeroRedundancyOptimizer."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},

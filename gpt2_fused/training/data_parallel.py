@@ -1,4 +1,5 @@
-"""Sharded training state under torchrun (--shard), on torch's own engines.
+"""How the data-parallel ranks under torchrun hold the training state (--shard): DDP, ZeRO-1 or
+FSDP2, on torch's own engines.
 
     none       DDP: every rank holds the fp32 weights, grads and both AdamW moments (16 B/param)
     optimizer  ZeRO-1: DDP all-reduces the grads as before; torch's ZeroRedundancyOptimizer gives
@@ -36,10 +37,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from gpt2_fused.core.compile_guard import KeptGrads, uses_cuda_graphs
-from gpt2_fused.core.config import ConfigError
-from gpt2_fused.core.muon import Muon
-from gpt2_fused.core.optim import (
+from gpt2_fused.training.compile_settings import uses_cuda_graphs
+from gpt2_fused.training.config import ConfigError
+from gpt2_fused.training.kept_grads import KeptGrads
+from gpt2_fused.training.muon import Muon
+from gpt2_fused.training.optim import (
     build_optimizer,
     clipped_step,
     load_optimizer_state,
@@ -83,7 +85,7 @@ class DataParallel:
     samples = True  # generate() can read the weights between steps
     fully_sharded = False  # parameters are DTensor shards (fp8's float8 all-gather)
 
-    kept = None  # the grads' own buffer (compile_guard.KeptGrads: keep_grads), or None
+    kept = None  # the grads' own buffer (kept_grads.KeptGrads: keep_grads), or None
     summed = False  # the grads summed across ranks once a step, in step() (sync_at_step)
 
     def __init__(self, cfg, procs):
@@ -94,7 +96,7 @@ class DataParallel:
 
     def keep_grads(self, raw_model, graphs):
         """The grads in one flat buffer of their own, summed over the micro-batches there
-        (compile_guard.KeptGrads; graphs: the step runs as CUDA graphs)."""
+        (kept_grads.KeptGrads; graphs: the step runs as CUDA graphs)."""
         self.kept = KeptGrads(raw_model, by_grad=graphs)
 
     def sync_at_step(self, raw_model, graphs):

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gpt2_fused.core.compile_cache import use_keyed_cache
+from gpt2_fused.training.compile_cache import use_keyed_cache
 
 MODES = ("graph", "compile", "eager", "recompute")
 LEN_MULTIPLE = 128  # cache lengths are rounded up to this: fewer distinct graphs to build

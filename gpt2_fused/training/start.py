@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from gpt2_fused.core.checkpoint import (
+from gpt2_fused.training.checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_for_resume,
     set_rng_state,
 )
-from gpt2_fused.core.config import PRESET_NAME, ConfigError, TrainConfig
-from gpt2_fused.core.model_io import (
+from gpt2_fused.training.config import PRESET_NAME, ConfigError, TrainConfig, tokens_per_step
+from gpt2_fused.training.model_io import (
     HF_GPT2,
     cached_hf,
     checkpoint_settings,
@@ -205,7 +205,7 @@ def world_size_note(cfg, saved, written_by, procs):
     before = (
         saved.get("total_batch_size") or saved.get("batch_size", cfg.batch_size) * T * written_by
     )
-    now = cfg.total_batch_size or cfg.batch_size * T * W
+    now = tokens_per_step(cfg, W)[0]
     if before == now:
         tokens = f"tokens/step stay {now:,}"
         if cfg.total_batch_size:

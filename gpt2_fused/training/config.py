@@ -19,10 +19,10 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field, replace
 
-from gpt2_fused.core import cli
-from gpt2_fused.core.compile_guard import BUFFER_REUSE, COMPILE_MODES
-from gpt2_fused.core.errors import UsageError
-from gpt2_fused.core.fp8 import RECIPES as FP8_RECIPES
+from gpt2_fused.training import cli
+from gpt2_fused.training.compile_settings import BUFFER_REUSE, COMPILE_MODES
+from gpt2_fused.training.errors import UsageError
+from gpt2_fused.training.fp8 import RECIPES as FP8_RECIPES
 from model import IMPLS, GPTConfig, setting
 
 
@@ -53,10 +53,10 @@ class TrainConfig:
     model: GPTConfig = field(default_factory=small_model)
     adamw_impl: str = setting("fast", '"fast": one Triton launch (CUDA fp32); "torch": torch.optim')
     # the blocks' Linears on FP8 tensor cores, through torchao or our kernels' casts
-    # (gpt2_fused/core/fp8.py); lm_head stays bf16
+    # (gpt2_fused/training/fp8.py); lm_head stays bf16
     fp8: str = setting("off", '"off", "tensorwise", "rowwise" (torchao) or "fused": FP8 GEMMs')
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
-    # "auto": the largest of 64, 32, ..., 1 that fits the GPU (8 on a CPU; core/memory.py)
+    # "auto": the largest of 64, 32, ..., 1 that fits the GPU (8 on a CPU; training/memory.py)
     batch_size: int | str = setting("auto", 'micro-batch per process (sequences), or "auto"')
     total_batch_size: int = setting(0, "tokens a step over all processes (0: one micro-batch each)")
     max_steps: int = setting(300, "optimizer steps")
@@ -68,7 +68,7 @@ class TrainConfig:
     beta1: float = setting(0.9, "AdamW beta1")
     beta2: float = setting(0.95, "AdamW beta2")
     grad_clip: float = setting(1.0, "max global grad norm (0: no clipping)")
-    # "muon" (gpt2_fused/core/muon.py): the blocks' matrices take Muon at muon_lr (the same
+    # "muon" (gpt2_fused/training/muon.py): the blocks' matrices take Muon at muon_lr (the same
     # warmup and cosine); wte, wpe, gains and biases keep AdamW at learning_rate, on torch's
     # AdamW whatever adamw_impl says. Defaults as nanochat's and modded-nanogpt's, for 124M-1558M
     optimizer: str = setting("adamw", '"adamw" or "muon" (Muon for the blocks\' matrices)')
@@ -92,7 +92,7 @@ class TrainConfig:
     keep_last: int = setting(2, "checkpoints kept, the newest (0: all; 1: no fallback)")
     resume: bool = setting(False, "continue from the newest checkpoint in out_dir")
     # the weights (and so the model's shape) a run that does not resume starts from
-    # (gpt2_fused/core/start.py)
+    # (gpt2_fused/training/start.py)
     init_from: str = setting(
         "scratch", '"scratch", "gpt2"..."gpt2-xl" (HF cache), an HF dir, a checkpoint or out_dir'
     )
@@ -107,7 +107,7 @@ class TrainConfig:
         '"bfloat16", "float16", "float32"',
     )
     compile: bool | None = setting(None, "torch.compile the model (None: on for CUDA)")
-    # "auto" is replaced by its pick at start-up (compile_guard.pick_mode): the printed config
+    # "auto" is replaced by its pick at start-up (compile_settings.pick_mode): the printed config
     # and the checkpoint's show the mode that ran
     compile_mode: str = setting(
         "auto", 'torch.compile mode: "auto" (printed as its pick), "default", ...'
@@ -119,15 +119,15 @@ class TrainConfig:
     # Inductor's own limit is 1024: wider LayerNorms (774M, 1558M) would read their rows twice
     persistent_rows: int = setting(2048, "Inductor reduces rows up to this wide in registers")
     # Inductor leaves each LayerNorm's dw and db as partial sums of this many rows, then sums
-    # them (compile_guard.layernorm_split): -1 picks 1024 up to 1024 wide, else 256
+    # them (compile_settings.layernorm_split): -1 picks 1024 up to 1024 wide, else 256
     layernorm_partial_rows: int = setting(
         -1, "LayerNorm dw/db partial sums (-1 auto, 0 Inductor's)"
     )
     # ...and finishes them with ATen's column sum (a memset and a kernel each) unless this swaps
-    # in one Triton launch (compile_guard.triton_partial_sums)
+    # in one Triton launch (compile_settings.triton_partial_sums)
     triton_partial_sums: bool = setting(True, "LayerNorm dw/db partial sums finished by Triton")
     # the tied wte's two gradients: the embedding's rows scattered into the classifier's, not
-    # into zeros then added (compile_guard.scatter_tied_grad)
+    # into zeros then added (compile_settings.scatter_tied_grad)
     tied_grad_scatter: bool = setting(True, "embedding rows scattered into the classifier's dW")
     # "no_inplace": with in-place buffers torch.compile has produced wrong losses and gradients
     # at 774M and 1558M (bench/RESULTS.md#compile); no cost measured
@@ -140,10 +140,10 @@ class TrainConfig:
     ddp_compile: str = setting("model", '"model" or "ddp": which of DDP and compile wraps')
     # under torchrun, how the ranks' grads are summed: "ddp" in DDP's buckets (after the compiled
     # backward, or overlapping it with ddp_compile="ddp"); "step" by one all-reduce of a flat
-    # buffer after the step's last backward, which CUDA graphs allow (sharding.py); "auto":
+    # buffer after the step's last backward, which CUDA graphs allow (data_parallel.py); "auto":
     # "step" when the step runs as CUDA graphs, else "ddp"
     grad_sync: str = setting("auto", '"auto", "ddp" or "step": how ranks sum their grads')
-    # under torchrun (sharding.py): "optimizer" is ZeRO-1, "full" is FSDP2 over the blocks
+    # under torchrun (data_parallel.py): "optimizer" is ZeRO-1, "full" is FSDP2 over the blocks
     shard: str = setting("none", '"none" (DDP), "optimizer" (AdamW state) or "full" (FSDP2)')
     seed: int = setting(1337, "seed of the init, dropout and data order")
 
@@ -259,7 +259,7 @@ class TrainConfig:
             )
 
 
-SHARD_MODES = ("none", "optimizer", "full")  # gpt2_fused/core/sharding.py's classes
+SHARD_MODES = ("none", "optimizer", "full")  # gpt2_fused/training/data_parallel.py's classes
 PRESET_NAME = "model"  # the key that names a preset instead of a field
 
 
@@ -378,6 +378,16 @@ def load_config(argv):
     cfg = TrainConfig(model=model, **train)  # its __post_init__ checks the values
     cfg.given = types.MappingProxyType(overrides)
     return cfg
+
+
+def tokens_per_step(cfg, world_size):
+    """(tokens an optimizer step trains on over all processes, micro-batches a process takes for
+    them): batch_size * block_size * world_size * grad_accum, which is total_batch_size, or one
+    micro-batch a process where that is 0. The start-up report, the step lines and a resume's
+    note all read it here; a ConfigError where the micro-batches cannot make it up."""
+    T = cfg.model.block_size
+    grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.batch_size, T, world_size)
+    return cfg.batch_size * T * world_size * grad_accum, grad_accum
 
 
 def grad_accum_steps(total_batch_size, batch_size, seq_len, world_size):

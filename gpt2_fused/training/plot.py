@@ -3,7 +3,7 @@ installed (pip install matplotlib, or the `plot` extra), and python -m bench.plo
 
 import os
 
-from gpt2_fused.core.jsonl import read_jsonl
+from gpt2_fused.training.jsonl import read_jsonl
 
 
 def read_log(path):

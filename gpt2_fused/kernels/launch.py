@@ -2,7 +2,7 @@
 table's entries overridden for a block of code.
 
 Here, in the lowest layer, so that fused_loss/ and the kernels beside this module share one copy
-(gpt2_fused/core/device.py, which picks a run's device, sits above fused_loss and so cannot
+(gpt2_fused/training/hardware.py, which picks a run's device, sits above fused_loss and so cannot
 serve it). Nothing here queries a device at import.
 """
 

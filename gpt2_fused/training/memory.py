@@ -18,7 +18,7 @@ Counted besides the activations:
 - the AdamW moments (8 B per local parameter; AdamW makes them at the first step): a placeholder
   of their size is held through the probe;
 - the grads: the probe's backward makes them (as DDP's buckets hold them later);
-- under CUDA graphs with kept grads (compile_guard.KeptGrads, by_grad): their flat buffer, 4 B
+- under CUDA graphs with kept grads (kept_grads.KeptGrads, by_grad): their flat buffer, 4 B
   per parameter more, held as a placeholder too;
 - the weights' casts to bf16 that weight_casts.py keeps: the eager forward makes its own casts
   of the same weights and holds them for the backward, as many bytes at the peak.
@@ -46,11 +46,11 @@ import re
 import torch
 import torch.distributed as dist
 
-from gpt2_fused.core.checkpoint import newest_note
-from gpt2_fused.core.compile_guard import pick_mode, uses_cuda_graphs
-from gpt2_fused.core.config import ConfigError
-from gpt2_fused.core.optim import local_optimizer
-from gpt2_fused.core.sharding import graphs_fit, sums_at_step
+from gpt2_fused.training.checkpoint import newest_note
+from gpt2_fused.training.compile_settings import pick_mode, uses_cuda_graphs
+from gpt2_fused.training.config import ConfigError
+from gpt2_fused.training.data_parallel import graphs_fit, sums_at_step
+from gpt2_fused.training.optim import local_optimizer
 
 CAP_ENV = "GPT2_FUSED_GPU_GB"
 LADDER = (64, 32, 16, 8, 4, 2, 1)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpt2_fused.core.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from gpt2_fused.training.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from model import GPT, IMPL_KEYS, GPTConfig
 
 # Settings added after checkpoints were first written, with the value those older checkpoints
@@ -319,7 +319,7 @@ def _write_safetensors(path, tensors):
     tmp.replace(path)  # never leave a half-written file under the real name
 
 
-# what sample.py and eval_hellaswag.py print as one line (gpt2_fused/core/errors.py)
+# what sample.py and eval_hellaswag.py print as one line (gpt2_fused/training/errors.py)
 USER_ERRORS = {CheckpointError: "checkpoint error", OSError: "error", ValueError: "error"}
 
 

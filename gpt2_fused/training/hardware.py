@@ -33,7 +33,7 @@ def pick_device(name="auto"):
 def resolve_dtype(name, device):
     """dtype name -> torch dtype; "auto" is bfloat16 on a GPU that computes in it natively
     (sm_80 and later), float16 on an older GPU (T4, V100: tensor cores in fp16 only; the run
-    then scales its loss, core/loss_scale.py), float32 on a CPU."""
+    then scales its loss, training/loss_scale.py), float32 on a CPU."""
     if name != "auto":
         return DTYPES[name]
     if device.type != "cuda":

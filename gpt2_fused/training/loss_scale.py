@@ -20,7 +20,7 @@ fp32 run's checkpoint has none, and an fp16 run resumed from one starts at INIT_
 
 import torch
 
-from gpt2_fused.core.config import ConfigError
+from gpt2_fused.training.config import ConfigError
 
 INIT_SCALE = 2.0**16
 GROWTH_FACTOR, BACKOFF_FACTOR, GROWTH_INTERVAL = 2.0, 0.5, 2000

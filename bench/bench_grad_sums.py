@@ -1,10 +1,10 @@
-"""Bias-gradient column sums (gpt2_fused/kernels/colsum.py) against torch, at GPT-2's shapes.
+"""Bias-gradient column sums (gpt2_fused/kernels/grad_sums.py) against torch, at GPT-2's shapes.
 
-    python -m bench.bench_colsum [--repeats 7]
+    python -m bench.bench_grad_sums [--repeats 7]
 
 GPU ms per call and TB/s of the bytes a pass must move, for qkv_grad (three (M, C) parts read,
 their concatenation written) against torch.cat alone and the compiled cat + sum, and colsum of an
-(M, 4C) gradient against the compiled sum, each pass-1 launch variant of colsum.LAUNCH in turn;
+(M, 4C) gradient against the compiled sum, each pass-1 launch variant of grad_sums.LAUNCH in turn;
 M = B T of 124M:32 and 1558M:16. Each case is timed as a CUDA graph of 20 calls (median of
 --repeats replays), so the host's time per call does not count: events around eager calls of
 these ~0.1 ms passes measure the host instead (bench/RESULTS.md#attention). The results are
@@ -17,8 +17,8 @@ import itertools
 import torch
 
 from bench.common import graph_us
-from gpt2_fused.kernels import colsum
-from gpt2_fused.kernels.device import launch_overrides
+from gpt2_fused.kernels import grad_sums
+from gpt2_fused.kernels.launch import launch_overrides
 
 SHAPES = {"124M:32": (32768, 768), "1558M:16": (16384, 1600)}
 VARIANTS = [
@@ -47,18 +47,18 @@ def measure(shape, M, C, repeats, cat_sum, col):
         ("(M, 4C) sum, compiled", lambda: col(dh), dh_bytes, ""),
     ]
     rows = [(shape, name, *_timed(fn, nbytes, repeats), flag) for name, fn, nbytes, flag in cases]
-    default = dict(colsum.LAUNCH["cuda"])
+    default = dict(grad_sums.LAUNCH["cuda"])
     for v in [default] + VARIANTS:
         name = " ".join(f"{k}={val}" for k, val in v.items())
         name += " (LAUNCH)" if v is default else ""
-        with launch_overrides(colsum.LAUNCH["cuda"], **v):
-            cat, sums = colsum.qkv_grad(*parts)
+        with launch_overrides(grad_sums.LAUNCH["cuda"], **v):
+            cat, sums = grad_sums.qkv_grad(*parts)
             ok = torch.equal(cat, want_cat) and (sums.double() - want_q).abs().max() < 1e-2
-            ok = ok and (colsum.colsum(dh).double() - want_c).abs().max() < 1e-2
+            ok = ok and (grad_sums.colsum(dh).double() - want_c).abs().max() < 1e-2
             flag = "" if ok else "WRONG"
-            t = _timed(lambda: colsum.qkv_grad(*parts), qkv_bytes, repeats)
+            t = _timed(lambda: grad_sums.qkv_grad(*parts), qkv_bytes, repeats)
             rows.append((shape, f"qkv_grad {name}", *t, flag))
-            t = _timed(lambda: colsum.colsum(dh), dh_bytes, repeats)
+            t = _timed(lambda: grad_sums.colsum(dh), dh_bytes, repeats)
             rows.append((shape, f"colsum {name}", *t, flag))
     return rows
 

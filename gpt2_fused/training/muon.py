@@ -29,8 +29,8 @@ matrix's u is first gathered whole (in bf16: half the bytes of FSDP2's fp32 weig
 then shared out as under DDP, and each rank keeps its rows of O: orthogonalising each shard alone
 would change the math (and the scale), and gathering only to the matrix's owner would need a
 gather and a scatter per matrix instead of one all-gather. Under ZeRO-1
-sharding.py wraps this class in ZeroRedundancyOptimizer: each rank's instance holds only its own
-parameters (and momentum), orthogonalises them alone, and ZeRO broadcasts the new weights.
+data_parallel.py wraps this class in ZeroRedundancyOptimizer: each rank's instance holds only its
+own parameters (and momentum), orthogonalises them alone, and ZeRO broadcasts the new weights.
 """
 
 import math
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
-from gpt2_fused.core.device import resolve_dtype
+from gpt2_fused.training.hardware import resolve_dtype
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # a, b, c of a s + b s^3 + c s^5
 NS_STEPS = 5

@@ -15,7 +15,7 @@ import argparse
 import difflib
 import sys
 
-from gpt2_fused.core.errors import UsageError
+from gpt2_fused.training.errors import UsageError
 
 BOOL_WORDS = ("True", "False", "None")  # what may follow a switch as its value
 

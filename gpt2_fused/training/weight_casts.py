@@ -7,7 +7,7 @@ the fused loss multiplies by the tied embedding's (the classifier, V x D: 154 MB
 written a micro-batch at 124M).
 Cast in the forward, that is every weight and bias once per micro-batch (4 bytes read and 2
 written a parameter, eight small kernels a layer), and the casts are held for the backward.
-Here each of them gets one persistent cast, in `linear.kept_casts` (weight, bias), that
+Here each of them gets one persistent cast, in `linear.weight_casts` (weight, bias), that
 MultiTensorAdamW rewrites as it updates the parameter (2 bytes more a parameter in a launch it
 makes anyway): once a step, whatever the micro-batch count. bench/RESULTS.md#weight-casts.
 
@@ -18,7 +18,7 @@ rank updates a shard, then broadcasts), FSDP2 (sharded parameters), torch's Adam
 (casts of its own). A later model.load_state_dict copies the casts again (a hook); any other
 write to a parameter would leave its cast stale. Evaluation, sampling and checkpoints read the
 parameters as before; a
-Linear whose kept_casts are (None, None) (model.py's default) casts per call.
+Linear whose weight_casts are (None, None) (model.py's default) casts per call.
 """
 
 import torch
@@ -29,7 +29,7 @@ SLOT = 8  # elements: each cast starts on a 16-byte boundary (the kernel's wide 
 
 
 def fast_linears(model):
-    """The Linears whose forwards read kept_casts: the blocks' on the fast paths (both ops need
+    """The Linears whose forwards read weight_casts: the blocks' on the fast paths (both ops need
     biases, else they hand the call to torch's path) and lm_head under the fused loss (its
     weight only)."""
     found = []
@@ -43,7 +43,7 @@ def fast_linears(model):
 
 
 def attach(model, optimizer, dtype):
-    """Give model's fast-path Linears kept_casts in `dtype` (the autocast dtype), kept by
+    """Give model's fast-path Linears weight_casts in `dtype` (the autocast dtype), kept by
     optimizer from its next step on; returns how many Linears got them (0 where this does not
     apply: the module docstring)."""
     if dtype not in CAST_CODES or not isinstance(optimizer, MultiTensorAdamW):
@@ -69,12 +69,12 @@ def attach(model, optimizer, dtype):
         casts[p] = cast
         offset += n
     for m in linears:
-        m.kept_casts = (casts[m.weight], casts.get(m.bias))
-    optimizer.set_casts(casts)
+        m.weight_casts = (casts[m.weight], casts.get(m.bias))
+    optimizer.set_weight_casts(casts)
 
     def reload(module, incompatible_keys):  # weights loaded later: the casts follow them
         with torch.no_grad():
-            for p, cast in optimizer.casts.items():
+            for p, cast in optimizer.weight_casts.items():
                 cast.copy_(p)
 
     model.register_load_state_dict_post_hook(reload)

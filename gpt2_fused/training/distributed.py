@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gpt2_fused.core.device import keep_freed_memory, pick_device
+from gpt2_fused.training.hardware import keep_freed_memory, pick_device
 
 
 @dataclass

@@ -1,11 +1,11 @@
-"""gpt2_fused/kernels/colsum.py: bias-gradient column sums, and the qkv gradient laid out in the
+"""gpt2_fused/kernels/grad_sums.py: bias-gradient column sums, and the qkv gradient laid out in the
 same pass, against colsum_reference / qkv_grad_reference (on CPU under the Triton interpreter)."""
 
 import pytest
 import torch
 from sm90 import PTXAS_V, compile_for_sm90, needs_nvidia_backend
 
-from gpt2_fused.kernels import colsum
+from gpt2_fused.kernels import grad_sums
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -20,8 +20,8 @@ def test_qkv_grad_lays_out_and_sums_the_three_parts(M, C, dtype):
     g = torch.Generator(DEV).manual_seed(M + C)
     wide = torch.randn(3, M, C + 8, device=DEV, generator=g).to(dtype)
     parts = [wide[i, :, :C] for i in range(3)]  # row stride C + 8
-    cat, sums = colsum.qkv_grad(*parts)
-    want, exact = colsum.qkv_grad_reference(*(p.double() for p in parts))
+    cat, sums = grad_sums.qkv_grad(*parts)
+    want, exact = grad_sums.qkv_grad_reference(*(p.double() for p in parts))
     assert torch.equal(cat, want.to(dtype)) and cat.is_contiguous()
     assert sums.dtype == torch.float32 and sums.shape == (3 * C,)
     assert (sums.double() - exact).abs().max() <= 1e-6 * M + 1e-6
@@ -32,20 +32,20 @@ def test_colsum_against_fp64(N):
     t = torch.randn(513, N, device=DEV, generator=torch.Generator(DEV).manual_seed(N))
     for dtype in (torch.bfloat16, torch.float32):
         x = t.to(dtype)
-        got = colsum.colsum(x)
+        got = grad_sums.colsum(x)
         assert got.dtype == torch.float32
-        assert (got.double() - colsum.colsum_reference(x.double())).abs().max() <= 1e-4, dtype
-        assert torch.equal(got, colsum.colsum(x))  # fixed order: the same bits every time
+        assert (got.double() - grad_sums.colsum_reference(x.double())).abs().max() <= 1e-4, dtype
+        assert torch.equal(got, grad_sums.colsum(x))  # fixed order: the same bits every time
 
 
 def test_colsum_inputs_are_checked():
     a = torch.zeros(8, 16, device=DEV)
     with pytest.raises(ValueError, match="one shape and dtype"):
-        colsum.qkv_grad(a, a, torch.zeros(8, 8, device=DEV))
+        grad_sums.qkv_grad(a, a, torch.zeros(8, 8, device=DEV))
     with pytest.raises(ValueError, match="one shape and dtype"):
-        colsum.qkv_grad(a, a, a.bfloat16())
+        grad_sums.qkv_grad(a, a, a.bfloat16())
     with pytest.raises(ValueError, match="row-major"):
-        colsum.colsum(a.t())
+        grad_sums.colsum(a.t())
 
 
 @pytest.mark.gpu
@@ -54,15 +54,15 @@ def test_colsum_inputs_are_checked():
 def test_gpu_qkv_grad_at_gpt2_shapes(M, C):
     g = torch.Generator("cuda").manual_seed(C)
     parts = [torch.randn(M, C, device="cuda", generator=g).bfloat16() for _ in range(3)]
-    cat, sums = torch.compile(colsum.qkv_grad, fullgraph=True)(*parts)
-    want, want_sums = colsum.qkv_grad_reference(*parts)
+    cat, sums = torch.compile(grad_sums.qkv_grad, fullgraph=True)(*parts)
+    want, want_sums = grad_sums.qkv_grad_reference(*parts)
     assert torch.equal(cat, want)
     torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-3)
     t = torch.randn(M, 4 * C, device="cuda", generator=g).bfloat16()
-    want = colsum.colsum_reference(t)
-    torch.testing.assert_close(colsum.colsum(t), want, rtol=1e-5, atol=1e-3)
+    want = grad_sums.colsum_reference(t)
+    torch.testing.assert_close(grad_sums.colsum(t), want, rtol=1e-5, atol=1e-3)
     # compiled: Inductor launches the triton_op's kernels itself (its own functionalised copy)
-    compiled = torch.compile(lambda t: colsum.colsum(t) * 2, fullgraph=True)(t)
+    compiled = torch.compile(lambda t: grad_sums.colsum(t) * 2, fullgraph=True)(t)
     torch.testing.assert_close(compiled, 2 * want, rtol=1e-5, atol=2e-3)
 
 
@@ -73,9 +73,9 @@ COMPILE = r"""
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from gpt2_fused.kernels import colsum
+from gpt2_fused.kernels import grad_sums
 
-cfg = colsum.LAUNCH["cuda"]
+cfg = grad_sums.LAUNCH["cuda"]
 sig = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", cat_ptr="*bf16", part_ptr="*fp32",
            M="i32", C="i32", stride_in="i32")
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
@@ -84,7 +84,7 @@ for three in (True, False):
     BN = 256  # what _launch picks for C = 768 (three) and N = 3072
     BM = cfg["tile"] // BN
     consts = dict(ROWS=8 * BM, BM=BM, BN=BN, THREE=three)
-    src = ASTSource(fn=colsum.partial_sums_kernel,
+    src = ASTSource(fn=grad_sums.partial_sums_kernel,
                     signature=dict(sig, **{k: "constexpr" for k in consts}),
                     constexprs=consts, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -101,7 +101,7 @@ print(json.dumps(dict(kernels=out, limit=limit)))
 
 @needs_nvidia_backend
 def test_colsum_launch_keeps_its_programs_resident_with_16_byte_accesses():
-    """Programs beyond what fits an SM's registers wait for a second wave (bench/bench_colsum.py
+    """Programs beyond what fits an SM's registers wait for a second wave (bench/bench_grad_sums.py
     times the launches: bench/RESULTS.md#attention)."""
     res = compile_for_sm90(PTXAS_V + COMPILE)
     for name, k in res["kernels"].items():
@@ -116,14 +116,14 @@ def test_row_sum_against_fp64(P, N):
     """The stacks Inductor leaves for a LayerNorm's dw and db (1024 x 768 at 124M, 256 x 1600 at
     1558M) and odd sizes: the fp64 sum within fp32 summation error, the same bits every call."""
     t = torch.randn(P, N, device=DEV, generator=torch.Generator(DEV).manual_seed(P + N))
-    got = colsum.row_sum(t)
+    got = grad_sums.row_sum(t)
     assert got.dtype == torch.float32 and got.shape == (N,)
     assert (got.double() - t.double().sum(0)).abs().max() <= 1e-6 * P + 1e-6
-    assert torch.equal(got, colsum.row_sum(t))
+    assert torch.equal(got, grad_sums.row_sum(t))
 
 
 def test_row_sum_takes_only_row_major_fp32():
     t = torch.randn(8, 4, device=DEV)
     for bad in (t.bfloat16(), t.t(), t[:, :2], t[0]):
         with pytest.raises(ValueError, match="row_sum"):
-            colsum.row_sum(bad)
+            grad_sums.row_sum(bad)

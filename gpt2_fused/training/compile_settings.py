@@ -1,18 +1,17 @@
-"""torch.compile's settings for a run, and the guard that compares compiled and eager losses.
+"""torch.compile's settings for a run: its mode (CUDA graphs or not) and Inductor's configuration,
+with this repo's patches to Inductor (persistent LayerNorm rows, the LayerNorm partial sums
+finished by grad_sums.row_sum, the tied embedding's gradient scattered into the classifier's).
 
 At 774M and 1558M, torch.compile with Inductor's in-place buffers has produced a training step
 with a wrong loss and gradients, whose cause is not known and whose results vary from run to
-run (bench/RESULTS.md#compile). `buffer_reuse="no_inplace"` avoids the known case; the guard catches
-others: on the first training micro-batch of the run and of the step after each evaluation, and
-on the first batch of each evaluation, the compiled loss must be within COMPILE_CHECK_TOL of an
-eager forward's on the same batch.
+run (bench/RESULTS.md#compile). `buffer_reuse="no_inplace"` avoids the known case;
+compile_guard.py catches others.
 """
 
 import contextlib
 import re
 
 import torch
-import torch.distributed as dist
 
 BUFFER_REUSE = {  # buffer_reuse -> torch._inductor.config patch
     "all": {},
@@ -23,9 +22,6 @@ COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-auto
 # elements. Inductor keeps a row in registers (a "persistent" reduction: one read) only up to
 # this; a wider row is reduced in a loop and read twice (torch/_inductor/choices.py)
 INDUCTOR_PERSISTENT_ROWS = 1024
-# nats. Right graphs are within 6e-5 of eager mode's loss at the first step (124M to 1558M); the
-# wrong ones seen were 5e-3 to 4.6e-2 off
-COMPILE_CHECK_TOL = 2e-3
 # Inductor fuses each LayerNorm backward's dx with partial sums of dw and db, split_size rows a
 # program, then finishes them with an eager column sum. Its split_size (rows / (8 x SMs), clamped
 # to 16-128) leaves 512 partial rows at 124M:8, where ATen's sum is slowest; these many partial
@@ -48,7 +44,7 @@ def pick_mode(mode, device, bucketed, flop_per_layer):
     launched op by op) on a GPU whose micro-batch is small enough for the host to pace the step
     (flop_per_layer: one micro-batch's forward and backward FLOP over n_layer), else "default".
     bucketed: under torchrun the grads are summed in DDP's buckets or FSDP2's during the
-    backward, which graphs cannot hold ("default"; sharding.graphs_fit)."""
+    backward, which graphs cannot hold ("default"; data_parallel.graphs_fit)."""
     if mode != "auto":
         return mode
     graphs = device.type == "cuda" and not bucketed and flop_per_layer < GRAPHS_BELOW_FLOP_PER_LAYER
@@ -57,87 +53,6 @@ def pick_mode(mode, device, bucketed, flop_per_layer):
 
 def uses_cuda_graphs(mode):
     return mode in ("reduce-overhead", "max-autotune")
-
-
-class KeptGrads:
-    """Every trainable parameter's .grad as a view into one flat buffer of its own (slots of 16
-    bytes' multiples: adamw.py's wide loads), summed over a step's micro-batches; `flat` is what
-    a step under torchrun all-reduces (sharding.DataParallel.sync_at_step).
-
-    Why a buffer: under CUDA graphs autograd installs the backward graph's output as a
-    parameter's first .grad, and the next micro-batch's replay writes over that memory, so the
-    sum is lost (pytorch/pytorch#169545). by_grad (under graphs): the micro-batch's grads come
-    from torch.autograd.grad, the graph's outputs, and one foreach op copies them in (the first
-    micro-batch) or adds them (the rest): a few multi-tensor launches, where autograd's own
-    accumulation adds each parameter's in a kernel of its own (148 at 124M) into a buffer that
-    must be zeroed each step. Without graphs autograd accumulates in place: its grads are
-    freed as they are added, where autograd.grad would hold them all at once (4 B/param)."""
-
-    def __init__(self, model, by_grad):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if len({(p.dtype, p.device) for p in self.params}) != 1:
-            raise ValueError("KeptGrads: the trainable parameters must share one dtype and device")
-        slots = [(p.numel() + 3) // 4 * 4 for p in self.params]  # 4 elements: 16 B
-        p0 = self.params[0]
-        self.flat = torch.zeros(sum(slots), dtype=p0.dtype, device=p0.device)
-        self.views, offset = [], 0
-        for p, n in zip(self.params, slots, strict=True):
-            p.grad = self.flat[offset : offset + p.numel()].view_as(p)
-            self.views.append(p.grad)
-            offset += n
-        self.by_grad = by_grad
-
-    def backward(self, loss, first):
-        """Add loss's gradients to the kept ones; first: the step's first micro-batch (its
-        grads replace what the last step left)."""
-        if not self.by_grad:
-            loss.backward()
-            return
-        grads = torch.autograd.grad(loss, self.params, allow_unused=True, materialize_grads=True)
-        if first:
-            torch._foreach_copy_(self.views, grads)
-        else:
-            torch._foreach_add_(self.views, grads)
-
-    def zero(self):
-        """After the update: zeroed for autograd to add into (by_grad: the next step's first
-        micro-batch overwrites them)."""
-        if not self.by_grad:
-            self.flat.zero_()
-
-
-class CompileMismatch(RuntimeError):
-    pass
-
-
-def compiled_loss_mismatch(compiled, eager, ddp, what):
-    """None if every rank's compiled loss (0-dim tensor) is within COMPILE_CHECK_TOL of its eager
-    loss on the same batch, else the message saying how far off (the same on every rank)."""
-    pair = torch.stack([compiled.detach().float(), eager.detach().float()])
-    gap = (pair[0] - pair[1]).abs().reshape(1)
-    if ddp:
-        dist.all_reduce(gap, op=dist.ReduceOp.MAX)
-    if gap.item() <= COMPILE_CHECK_TOL:  # NaN is a mismatch too
-        return None
-    compiled, eager = pair.tolist()
-    return (
-        f"the compiled model's loss on the {what} differs from eager mode's by "
-        f"{gap.item():.2e} nats (here: compiled {compiled:.6f}, eager {eager:.6f}; allowed "
-        f"{COMPILE_CHECK_TOL:g}): torch.compile has produced a wrong graph for this model"
-    )
-
-
-def check_training_step(first_loss, eager_loss, ddp, step):
-    """Raise CompileMismatch if the compiled first micro-batch's loss is not eager mode's; called
-    before the update, so that a wrong graph never touches the weights."""
-    what = f"first training batch of step {step}"
-    wrong = compiled_loss_mismatch(first_loss, eager_loss, ddp, what)
-    if wrong:
-        raise CompileMismatch(
-            f"{wrong}. Try --buffer_reuse=none, another --activation_memory_budget, "
-            "or --compile=False (bench/compile_check.py narrows it down); "
-            "--check_compile=False skips this check"
-        )
 
 
 def _row_is_persistent(features, cooperative_reduction, limit, inherited):
@@ -325,11 +240,11 @@ def persistent_rows(limit):
 FINAL_SUM = re.compile(
     r"(?P<lhs>\w+ = )(?P<rows>\w+\[[^\]]*\]\.view\([^()]*\))\.sum\(dim=0\)(?P<rest>.*)"
 )
-ROW_SUM_IMPORT = "from gpt2_fused.kernels.colsum import row_sum"
+ROW_SUM_IMPORT = "from gpt2_fused.kernels.grad_sums import row_sum"
 
 
 def row_sum_line(line):
-    """Inductor's finishing line with colsum.row_sum in place of torch's sum (None: not one)."""
+    """Inductor's finishing line with grad_sums.row_sum in place of torch's sum (None: not one)."""
     m = FINAL_SUM.fullmatch(line) if isinstance(line, str) else None
     return None if m is None else f"{m['lhs']}row_sum({m['rows']}){m['rest']}"
 
@@ -337,7 +252,7 @@ def row_sum_line(line):
 @contextlib.contextmanager
 def triton_partial_sums(enabled=True):
     """While the context lasts, Inductor's generated code finishes the partial sums of a mix-order
-    reduction (each LayerNorm backward's dw and db: (P, C) fp32, P ~1024) with colsum.row_sum,
+    reduction (each LayerNorm backward's dw and db: (P, C) fp32, P ~1024) with grad_sums.row_sum,
     one Triton launch, instead of ATen's column sum, which at these shapes splits the rows over
     blocks that meet at a semaphore: a memset and a kernel of 6-11 us each, two of each per
     LayerNorm (bench/RESULTS.md#layernorm-backwards-column-sums). The same sum in another order.

@@ -9,10 +9,10 @@ import time
 
 import torch
 
-from gpt2_fused.core.checkpoint import newest_note
-from gpt2_fused.core.compile_guard import uses_cuda_graphs
-from gpt2_fused.core.config import flat
-from gpt2_fused.core.jsonl import read_jsonl
+from gpt2_fused.training.checkpoint import newest_note
+from gpt2_fused.training.compile_settings import uses_cuda_graphs
+from gpt2_fused.training.config import flat, tokens_per_step
+from gpt2_fused.training.jsonl import read_jsonl
 
 
 class StepStats:
@@ -224,7 +224,7 @@ def device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def print_start(cfg, procs, model, dtype, compile_mode, grad_accum, globs, notes):
+def print_start(cfg, procs, model, dtype, compile_mode, globs, notes):
     """The start-up report, enough to reproduce the run: the config, versions, the device (a
     CPU's threads), the data and the tokens-per-step arithmetic; rank 0 calls it."""
     print0, world_size, T = print, procs.world_size, cfg.model.block_size
@@ -240,7 +240,7 @@ def print_start(cfg, procs, model, dtype, compile_mode, grad_accum, globs, notes
         f"compile {compile_mode}"
     )
     print0(f"params {model.num_params(non_embedding=False):,} | train {globs[0]} | val {globs[1]}")
-    tokens = cfg.batch_size * T * world_size * grad_accum
+    tokens, grad_accum = tokens_per_step(cfg, world_size)
     derived = " (total_batch_size=0: one micro-batch a process)" if not cfg.total_batch_size else ""
     print0(
         f"tokens/step = batch_size {cfg.batch_size} x T {T} x world_size {world_size}"
