@@ -100,7 +100,7 @@ class GPTConfig:
             raise ValueError(f"fp8={self.fp8!r} needs n_embd divisible by 16, got {self.n_embd}")
         hs = self.n_embd // self.n_head  # fused: cuDNN's attention, as the bf16 fast path's
         if self.fp8 == "fused" and (self.dropout or hs % 8 or hs > 128):
-            raise ValueError(f"fp8='fused' needs dropout 0, head size 8, 16, ..., 128: got {hs}")
+            raise ValueError("fp8='fused' needs dropout=0.0 and n_embd / n_head in 8, 16, ..., 128")
 
     @classmethod
     def from_preset(cls, name, **overrides):
