@@ -22,10 +22,10 @@ from torch import nn
 
 from fused_loss import fused_linear_cross_entropy, linear_cross_entropy_reference
 from gpt2_fused.kernels import attention, cublaslt, gemv
-from gpt2_fused.kernels.attn_fp8 import attn_fp8
+from gpt2_fused.kernels.attn_fp8 import attn_fp8, attn_state
 from gpt2_fused.kernels.fast_paths import compute_dtype, dtype_runs, gpu_runs
 from gpt2_fused.kernels.mlp import mlp_cublaslt
-from gpt2_fused.kernels.mlp_fp8 import mlp_fp8
+from gpt2_fused.kernels.mlp_fp8 import mlp_fp8, mlp_state
 
 # name -> (n_layer, n_head, n_embd); block size 1024, vocab 50257 for all of them.
 _PRESETS = {
@@ -40,6 +40,7 @@ _ALIASES = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1558M"
 # a layer is computed, not what: a run may resume, or a checkpoint load, with other values.
 IMPLS = ("fast", "torch")
 IMPL_KEYS = ("loss_impl", "mlp_impl", "attn_impl")
+FP8_RECIPES = ("off", "tensorwise", "rowwise", "fused")
 
 
 def setting(default, doc):
@@ -74,6 +75,8 @@ class GPTConfig:
     # pass, on Hopper in bf16/fp16 without dropout; the torch path elsewhere
     # (bench/RESULTS.md#attention)
     attn_impl: str = setting("fast", '"fast": c_attn + cuDNN attention, one op; "torch": F.sdpa')
+    # how the blocks' GEMMs run, not what: checkpoints load into any recipe (core/fp8.py: the GPU)
+    fp8: str = setting("off", '"off", "tensorwise", "rowwise" (torchao) or "fused": FP8 GEMMs')
 
     def __post_init__(self):
         if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.n_embd) < 1:
@@ -91,6 +94,13 @@ class GPTConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not (math.isfinite(self.softcap) and self.softcap >= 0):
             raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {self.softcap}")
+        if self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"fp8 must be one of {FP8_RECIPES}, got {self.fp8!r}")
+        if self.fp8 != "off" and self.n_embd % 16:  # torch._scaled_mm: K and N multiples of 16
+            raise ValueError(f"fp8={self.fp8!r} needs n_embd divisible by 16, got {self.n_embd}")
+        hs = self.n_embd // self.n_head  # fused: cuDNN's attention, as the bf16 fast path's
+        if self.fp8 == "fused" and (self.dropout or hs % 8 or hs > 128):
+            raise ValueError("fp8='fused' needs dropout=0.0 and n_embd / n_head in 8, 16, ..., 128")
 
     @classmethod
     def from_preset(cls, name, **overrides):
@@ -114,9 +124,11 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
-        # decided once, here (as MLP.use_cublaslt): no device probing inside the forward
-        self.use_fast = config.attn_impl == "fast" and config.dropout == 0 and attention.available()
-        self.fp8_state = None  # an Fp8State under --fp8=fused (gpt2_fused/training/fp8.py)
+        # decided once, here (as MLP.use_cublaslt): no device probing inside the forward. Off
+        # under torchao's recipes, whose Float8Linears only the torch path calls
+        fast = config.attn_impl == "fast" and config.dropout == 0 and config.fp8 in ("off", "fused")
+        self.use_fast = fast and attention.available()
+        self.fp8_state = attn_state(self.c_attn.weight.device) if config.fp8 == "fused" else None
 
     def forward(self, x, cache=None, layer=0, residual=None):
         """The attention branch of x, plus residual when given (on the fast path, added in
@@ -173,11 +185,12 @@ class MLP(nn.Module):
         # torch.compile's graph (tests/test_model.py checks that the forward reaches no probe)
         self.use_cublaslt = (
             config.mlp_impl == "fast"
+            and config.fp8 in ("off", "fused")  # its GEMMs would bypass torchao's Float8Linears
             and torch.cuda.is_available()
             and gpu_runs("mlp")
             and cublaslt.available()
         )
-        self.fp8_state = None  # an Fp8State under --fp8=fused (gpt2_fused/training/fp8.py)
+        self.fp8_state = mlp_state(self.c_fc.weight.device) if config.fp8 == "fused" else None
 
     def forward(self, x, decode=False, residual=None):
         """The MLP of x, plus residual when given (added in c_proj's epilogue where it can be)."""
@@ -213,8 +226,8 @@ class Block(nn.Module):
         row = step and self.use_gemv and not self.training
         if row and gemv.applies(x, self.attn.c_attn.weight):
             return self._decode_row(x, cache, layer)
-        if self.attn.fp8_state is not None and cache is None:  # --fp8=fused
-            return _mlp_fp8(_attn_fp8(x, self.ln_1, self.attn), self.ln_2, self.mlp)
+        if self.attn.fp8_state is not None and cache is None:  # fp8="fused"
+            return self._fp8_halves(x)
         x = self.attn(self.ln_1(x), cache, layer, residual=x)
         return self.mlp(self.ln_2(x), decode=cache is not None, residual=x)
 
@@ -233,21 +246,15 @@ class Block(nn.Module):
         h = gemv.gemv(x, mlp.c_fc.weight, mlp.c_fc.bias, gelu=True, ln=_ln_args(self.ln_2))
         return gemv.gemv(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x)
 
-
-# --fp8=fused: the block's halves with FP8 GEMMs and the casts in our kernels. Left eager by
-# torch.compile: their Triton launches and FP8 state are nothing Inductor would fuse into
-@torch.compiler.disable
-def _attn_fp8(x, ln, attn):
-    """x + attn(ln(x))."""
-    return attn_fp8(x, ln, attn.c_attn.weight, attn.c_attn.bias, attn.c_proj.weight,
-                    attn.c_proj.bias, attn.n_head, attn.fp8_state)  # fmt: skip
-
-
-@torch.compiler.disable
-def _mlp_fp8(x, ln, mlp):
-    """x + mlp(ln(x))."""
-    return mlp_fp8(x, ln, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias,
-                   mlp.fp8_state)  # fmt: skip
+    # fp8="fused": the halves with FP8 GEMMs and the casts in our kernels. Left eager by
+    # torch.compile: their Triton launches and FP8 state are nothing Inductor would fuse into
+    @torch.compiler.disable
+    def _fp8_halves(self, x):
+        a, m = self.attn, self.mlp  # x + attn(ln_1(x)), then that + mlp(ln_2(that))
+        x = attn_fp8(x, self.ln_1, a.c_attn.weight, a.c_attn.bias, a.c_proj.weight, a.c_proj.bias,
+                     a.n_head, a.fp8_state.on(x.device))  # fmt: skip
+        return mlp_fp8(x, self.ln_2, m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias,
+                       m.fp8_state.on(x.device))  # fmt: skip
 
 
 def _ln_args(ln):
@@ -286,6 +293,12 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         with torch.no_grad():
             self.transformer.wte.weight[config.vocab_size :].zero_()
+        if config.fp8 in ("tensorwise", "rowwise"):  # torchao's Float8Linear, same Parameters
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            recipe = Float8LinearConfig.from_recipe_name(config.fp8)
+            for block in self.transformer.h:  # torchao also patches Inductor's min/max codegen
+                convert_to_float8_training(block, config=recipe)  # a Block's four Linears
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):

@@ -143,8 +143,6 @@ def save(run, step, val_loss):
     model, state = run.shard.full_state(run.raw_model, run.optimizer, procs.master)
     if not procs.master:
         return
-    if cfg.fp8 != "off":  # a checkpoint holds plain tensors, whatever torchao wrapped
-        model = fp8.plain_state_dict(model)
     ckpt = {
         "model": model,
         "model_config": asdict(cfg.model),
@@ -236,7 +234,6 @@ def train_step(run, step, grad_accum, stop, check):
     if check:  # before the update: a wrong graph must not touch the weights
         check_training_step(first_loss, eager_loss, ddp, step)
     norm = run.shard.step(optimizer, run.raw_model, cfg.grad_clip or float("inf"), run.scaler)
-    fp8.after_optimizer_step(run.raw_model, cfg.fp8, run.shard.fully_sharded)
     run.shard.zero_grad(optimizer)
     # torch.full, not torch.tensor: a host-to-device copy of a Python number would sync
     stats = torch.stack([loss_sum, torch.full((), float(stop.requested), device=device)])
@@ -289,8 +286,8 @@ def main(argv=None, train_loader=DataLoader):
         notes = shard.notes  # the start-up report's (shard.sync_at_step adds to it too)
         notes += begin.notes
         T = cfg.model.block_size
-        try:  # the GPU, torch and torchao can run FP8 GEMMs (nothing for fp8="off")
-            fp8.check(cfg.fp8, device)
+        try:  # the GPU, torch and torchao run the model's FP8 GEMMs (nothing for fp8="off")
+            notes += fp8.check(cfg.model.fp8, device)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         # --- set-up: model, optimizer, micro-batch, data, the newest checkpoint when resuming
@@ -307,12 +304,9 @@ def main(argv=None, train_loader=DataLoader):
                 f"hellaswag=True but {hs_path} is missing: run python -m data.hellaswag download"
             )
         with torch.device(device):  # initialised where it runs: 1558M on a CPU takes seconds
-            raw_model = GPT(cfg.model)
-        begin.load_weights(raw_model)  # init_from's, before FP8 and sharding wrap the Linears
+            raw_model = GPT(cfg.model)  # its blocks as cfg.model.fp8 says
+        begin.load_weights(raw_model)  # init_from's, before sharding wraps the Linears
         raw_model.z_loss = cfg.z_loss  # in training-mode losses only: val stays plain CE
-        if cfg.fp8 != "off":  # before sharding, compile and DDP wrap the Linears
-            n = len(fp8.convert(raw_model, cfg.fp8, shard.fully_sharded))
-            notes += fp8.notes(cfg.fp8, n, device)
         shard.shard_model(raw_model)  # FSDP2 under shard="full", in place
         optimizer = shard.make_optimizer(raw_model, cfg, device)
         notes += memory.pick_batch(cfg, procs, raw_model, optimizer, dtype, card)
@@ -339,7 +333,8 @@ def main(argv=None, train_loader=DataLoader):
             compile_cache.use_keyed_cache()  # not another version's custom-op graphs
             compile_settings.enter_context(compiler_settings(cfg))
         compile_and_wrap(run, use_compile, grad_accum)
-        if cfg.fp8 == "off" and not shard.fully_sharded:  # last: the weights as resumed, broadcast
+        # last: the weights as resumed, broadcast (FP8's GEMMs cast the weights themselves)
+        if cfg.model.fp8 == "off" and not shard.fully_sharded:
             weight_casts.attach(raw_model, optimizer, dtype)
 
         flops_per_step = raw_model.flops_per_token() * tokens

@@ -1,9 +1,11 @@
-"""gpt2_fused/training/fp8.py (--fp8, on torchao's float8 training): the conversion swaps exactly
-the blocks' Linears, check() refuses a run that cannot use FP8 in one line, and checkpoints of
-FP8 runs hold plain tensors that load into plain and FP8 models alike. On CPU torchao converts,
-and even runs the FP8 GEMMs (torch 2.11, 2.13); on a GPU with FP8 tensor cores, 20 training
-steps with --fp8 follow the bf16 run's losses."""
+"""FP8 GEMMs as a model setting (GPTConfig.fp8, --fp8) and gpt2_fused/training/fp8.py: a torchao
+recipe builds exactly the blocks' Linears as Float8Linear and turns the fast paths that bypass them
+off, check() refuses a run that cannot use FP8 in one line, FSDP2 gathers tensorwise weights in
+float8, and checkpoints of FP8 runs hold plain tensors that load into plain and FP8 models alike.
+On CPU torchao converts, and even runs the FP8 GEMMs (torch 2.11, 2.13); on a GPU with FP8 tensor
+cores, 20 training steps with --fp8 follow the bf16 run's losses."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,9 +19,11 @@ torchao = pytest.importorskip("torchao", reason="--fp8 needs torchao: pip instal
 from torchao.float8 import Float8LinearConfig  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402  (not public; types only)
 
+import model as model_module  # noqa: E402
 import train  # noqa: E402
 from bench.fp8_stress import ARGS as STRESS_ARGS  # noqa: E402
 from conftest import read_log  # noqa: E402
+from gpt2_fused.kernels.launch import FORCE_CAPABILITY  # noqa: E402
 from gpt2_fused.training import data_parallel, fp8, model_io  # noqa: E402
 from gpt2_fused.training.config import TrainConfig  # noqa: E402
 from gpt2_fused.training.distributed import Processes  # noqa: E402
@@ -44,58 +48,65 @@ def batch(seed=1, vocab=50257):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_convert_swaps_exactly_the_blocks_linears(recipe):
-    """4 * n_layer Float8Linears with the recipe's config, in place, the same Parameters; every
-    other module keeps its type; lm_head stays an nn.Linear tied to wte; the state dict's keys
-    are the unconverted model's."""
-    model = tiny_model()
-    before = {name: type(m) for name, m in model.named_modules()}
-    params = dict(model.named_parameters())
-    keys = list(model.state_dict())
-    names = fp8.convert(model, recipe, False)
-    assert sorted(names) == sorted(BLOCK_LINEARS) and len(names) == 4 * 2
+def test_torchao_recipes_build_exactly_the_blocks_linears_as_float8(recipe):
+    """GPTConfig(fp8=recipe): 4 * n_layer Float8Linears with the recipe's config; every other
+    module of the plain model's type; lm_head an nn.Linear tied to wte; the plain model's state
+    dict keys and, from the same seed, its initial weights."""
+    plain, model = tiny_model(), tiny_model(fp8=recipe)
+    assert [n for n, m in model.named_modules() if isinstance(m, Float8Linear)] == BLOCK_LINEARS
+    kinds = {name: type(m) for name, m in plain.named_modules()}
     for name, m in model.named_modules():
         if name in BLOCK_LINEARS:
-            assert type(m) is Float8Linear, name
             assert m.config == Float8LinearConfig.from_recipe_name(recipe)
             assert not m.config.enable_fsdp_float8_all_gather
         else:
-            assert type(m) is before[name], name
+            assert type(m) is kinds[name], name
     assert type(model.lm_head) is nn.Linear and type(model.transformer.wte) is nn.Embedding
     assert model.lm_head.weight is model.transformer.wte.weight  # still tied
-    assert all(p is params[n] for n, p in model.named_parameters())
-    assert list(model.state_dict()) == keys
+    _assert_same_weights(model, plain)
 
 
-def test_convert_off_changes_nothing():
-    model = tiny_model()
-    assert fp8.convert(model, "off", True) == []
-    assert not any(isinstance(m, Float8Linear) for m in model.modules())
+@pytest.mark.parametrize("recipe", ["off", "fused"])
+def test_other_recipes_build_no_float8_linear(recipe):
+    assert not any(isinstance(m, Float8Linear) for m in tiny_model(fp8=recipe).modules())
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_float8_all_gather_only_for_tensorwise_under_fsdp2(recipe):
-    """shard="full": tensorwise's weights become torchao's float8 all-gather wrappers; rowwise has
-    none (torchao's is tensorwise only) and keeps plain weights."""
-    model = tiny_model()
-    fp8.convert(model, recipe, True)
+    """gather_in_float8 (FSDP2's, before fully_shard): tensorwise's weights become torchao's
+    float8 all-gather wrappers of the same values; rowwise has none (torchao's is tensorwise
+    only) and keeps plain weights."""
+    model = tiny_model(fp8=recipe)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fp8.gather_in_float8(model)
     gather = recipe == "tensorwise"
     for name in BLOCK_LINEARS:
         m = model.get_submodule(name)
-        assert m.config.enable_fsdp_float8_all_gather == gather
+        assert type(m) is Float8Linear and m.config.enable_fsdp_float8_all_gather == gather
         assert (type(m.weight.data) is not torch.Tensor) == gather, name
     assert type(model.lm_head.weight.data) is torch.Tensor
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(fp8._plain(p.detach()), before[n], rtol=0, atol=0, msg=n)
 
 
-def test_convert_turns_the_fast_paths_off_and_the_forward_runs_the_float8_linears():
-    """use_cublaslt / use_fast (set here as on a Hopper GPU) run their GEMMs from the raw
-    weights: conversion turns them off, and a forward calls every converted module once."""
-    model = tiny_model()
-    for block in model.transformer.h:
-        block.mlp.use_cublaslt = block.attn.use_fast = True
-    fp8.convert(model, "tensorwise", False)
-    for block in model.transformer.h:
-        assert block.mlp.use_cublaslt is False and block.attn.use_fast is False
+def test_blocks_pick_their_paths_from_the_recipe_and_the_forward_runs_the_float8_linears(
+    monkeypatch,
+):
+    """On a Hopper GPU (faked) the plain model takes the fast MLP and attention paths, which run
+    their GEMMs from the raw weights; a torchao recipe's blocks take the torch path, whose
+    forward calls every Float8Linear once; fused keeps them (for decoding) beside its FP8 state."""
+    with monkeypatch.context() as m:
+        m.setenv(FORCE_CAPABILITY, "9.0")
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(model_module.cublaslt, "available", lambda: True)
+        m.setattr(model_module.attention, "available", lambda: True)
+        for recipe, fast in [("off", True), ("tensorwise", False), ("rowwise", False),
+                             ("fused", True)]:  # fmt: skip
+            for block in tiny_model(fp8=recipe).transformer.h:
+                assert block.mlp.use_cublaslt is fast and block.attn.use_fast is fast, recipe
+                assert (block.attn.fp8_state is not None) == (recipe == "fused")
+                assert (block.mlp.fp8_state is not None) == (recipe == "fused")
+    model = tiny_model(fp8="tensorwise")
     calls = []
     for name in BLOCK_LINEARS:
         model.get_submodule(name).register_forward_hook(lambda m, i, o, n=name: calls.append(n))
@@ -104,10 +115,12 @@ def test_convert_turns_the_fast_paths_off_and_the_forward_runs_the_float8_linear
     assert all(model.get_submodule(n).weight.grad is not None for n in BLOCK_LINEARS)
 
 
-def test_convert_refuses_a_width_the_fp8_gemms_cannot_take():
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=72, block_size=32))
+def test_gptconfig_refuses_what_the_fp8_gemms_cannot_take():
     with pytest.raises(ValueError, match="n_embd divisible by 16, got 72"):
-        fp8.convert(model, "tensorwise", False)
+        GPTConfig(n_layer=1, n_head=2, n_embd=72, block_size=32, fp8="tensorwise")
+    with pytest.raises(ValueError, match="fp8 must be one of"):
+        GPTConfig(fp8="bf16")
+    GPTConfig(n_layer=1, n_head=2, n_embd=72, block_size=32)  # "off": any width
 
 
 def _cuda_gpu(monkeypatch, name, cc):
@@ -156,7 +169,7 @@ def test_check_refuses_in_one_line(monkeypatch, recipe, device, setup, says):
 
 def test_check_passes_off_without_torchao(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)
-    fp8.check("off", "cpu")
+    assert fp8.check("off", "cpu") == []  # nothing to report either
 
 
 def test_check_passes_on_an_fp8_gpu_whatever_the_sharding(monkeypatch):
@@ -168,19 +181,26 @@ def test_check_passes_on_an_fp8_gpu_whatever_the_sharding(monkeypatch):
     monkeypatch.setattr(fp8, "_tiny_step", lambda recipe, device: seen.append(device))
     for recipe in RECIPES:
         for device in ("cuda", torch.device("cuda")):  # train.py passes the string
-            fp8.check(recipe, device)
+            notes = fp8.check(recipe, device)  # the start-up report's line
+            assert notes == [f"fp8 {recipe}: the blocks' Linears on FP8 GEMMs (torchao), lm_head "
+                             "bf16"]  # fmt: skip
     assert seen and all(d == torch.device("cuda") for d in seen)
 
 
 @pytest.mark.parametrize("right", [True, False])
 def test_check_fused_refuses_a_ptxas_that_miscompiles_the_transposes(monkeypatch, right):
     """--fp8=fused runs its tiny step, then checks the transposed FP8 copies byte for byte
-    (Triton 3.6's bundled ptxas gets them wrong on an H200): a one-line way out when wrong."""
+    (Triton 3.6's bundled ptxas gets them wrong on an H200): a one-line way out when wrong; when
+    right, a note where act_fp8 makes them by passes of their own."""
     _cuda_gpu(monkeypatch, "NVIDIA H200", (9, 0))
     monkeypatch.setattr(fp8, "_tiny_fused_step", lambda device: None)
     monkeypatch.setattr(fp8, "_transposes_right", lambda device: right)
     if right:
-        fp8.check("fused", "cuda")
+        for split in (False, True):
+            monkeypatch.setattr(fp8, "transposes_split", lambda device, s=split: s)
+            notes = fp8.check("fused", "cuda")
+            assert "(our kernels' casts)" in notes[0] and len(notes) == 1 + split, notes
+        assert "TRITON_PTXAS_PATH saves those passes" in notes[1]
         return
     with pytest.raises(ValueError) as e:
         fp8.check("fused", "cuda")
@@ -211,45 +231,63 @@ def _assert_same_weights(a, b):
         torch.testing.assert_close(sa[name], sb[name], rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", [*RECIPES, "fused"])
 def test_checkpoints_load_across_fp8_and_plain_models(recipe, tmp_path):
     """An FP8 model's state dict holds plain tensors under the plain model's keys: it loads
-    (strict) into a plain model, GPT.from_state_dict (sample.py, eval) and an FP8 model (resume);
-    a plain model's loads into an FP8 model. The values arrive unchanged each way."""
-    model = tiny_model(seed=0)
-    fp8.convert(model, recipe, False)
-    state = _saved_and_loaded(fp8.plain_state_dict(model.state_dict()), tmp_path)
+    (strict) into a plain model, GPT.from_state_dict (sample.py, eval; with the recipe too) and
+    an FP8 model (resume); a plain model's loads into an FP8 model. The values arrive unchanged
+    each way."""
+    model = tiny_model(seed=0, fp8=recipe)
+    state = _saved_and_loaded(model.state_dict(), tmp_path)
     assert all(type(t) is torch.Tensor for t in state.values())
     plain = tiny_model(seed=1)
     plain.load_state_dict(state)
     _assert_same_weights(plain, model)
-    _assert_same_weights(GPT.from_state_dict(model.config, state), model)
-    resumed = tiny_model(seed=2)
-    fp8.convert(resumed, recipe, False)
+    off = dataclasses.replace(model.config, fp8="off")
+    for config in (off, model.config):
+        _assert_same_weights(GPT.from_state_dict(config, state), model)
+    resumed = tiny_model(seed=2, fp8=recipe)
     resumed.load_state_dict(state)
     _assert_same_weights(resumed, model)
     other = tiny_model(seed=3)
     resumed.load_state_dict(_saved_and_loaded(other.state_dict(), tmp_path))
     _assert_same_weights(resumed, other)
-    assert all(isinstance(resumed.get_submodule(n), Float8Linear) for n in BLOCK_LINEARS)
+    swapped = recipe != "fused"  # torchao's recipes
+    assert all(isinstance(resumed.get_submodule(n), Float8Linear) == swapped for n in BLOCK_LINEARS)
+
+
+@pytest.mark.parametrize("recipe", [*RECIPES, "fused"])
+def test_a_checkpoint_of_an_fp8_run_loads_as_a_plain_model(recipe, tmp_path):
+    """sample.py's and eval's loader (model_io.from_checkpoint) reads a checkpoint whose
+    model_config says fp8=<recipe> as a plain model (fp8 "off", on any device) with its
+    weights."""
+    model = tiny_model(fp8=recipe)
+    ckpt = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)}
+    torch.save(ckpt, tmp_path / "ckpt_0000001.pt")
+    loaded, _ = model_io.from_checkpoint(tmp_path)
+    assert loaded.config.fp8 == "off"  # as the fast paths, today's default
+    assert not any(isinstance(m, Float8Linear) for m in loaded.modules())
+    assert all(b.attn.fp8_state is None for b in loaded.transformer.h)
+    _assert_same_weights(loaded, model)
 
 
 def test_fsdp2_float8_all_gather_trains_like_fp8_alone_and_saves_plain_tensors(tmp_path):
-    """One gloo rank: tensorwise under FSDP2 (float8 all-gather) trains 3 steps to the losses of
-    the unsharded FP8 model: the same scales (amax of the whole weight), precomputed by
-    after_optimizer_step from the updated weights. Bit for bit on torch 2.13; torch 2.11's CPU
-    GEMM sums the weight's other layout in another order (4e-5 relative at the first step), and
-    FP8's roundings can carry that on: 1e-3 relative allowed.
-    Its full state dict keeps torchao's wrapper at world size 1, and plain_state_dict makes it a
-    checkpoint that loads into a plain model and back into the sharded FP8 one."""
+    """One gloo rank: tensorwise under FSDP2 (data_parallel.FSDP2 turns torchao's float8
+    all-gather on before fully_shard) trains 3 steps to the losses of the unsharded FP8 model: the same scales
+    (amax of the whole weight), precomputed after each optimizer step (FSDP2.step) from the
+    updated weights. Bit for bit on torch 2.13; torch 2.11's CPU GEMM sums the weight's other
+    layout in another order (4e-5 relative at the first step), and FP8's roundings can carry
+    that on: 1e-3 relative allowed.
+    FSDP2's own full state dict keeps torchao's wrapper at world size 1; full_state unwraps it
+    into a checkpoint that loads into a plain model and back into the sharded FP8 one."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     procs = Processes(ddp=True, rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
     def run(shard):
         mode = data_parallel.mode(TrainConfig(shard=shard, adamw_impl="torch"), procs)
-        model = tiny_model(vocab_size=512, padded_vocab_size=512)
-        fp8.convert(model, "tensorwise", mode.fully_sharded)
+        model = tiny_model(vocab_size=512, padded_vocab_size=512, fp8="tensorwise")
         mode.shard_model(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
@@ -258,7 +296,6 @@ def test_fsdp2_float8_all_gather_trains_like_fp8_alone_and_saves_plain_tensors(t
             loss.backward()
             mode.step(optimizer, model, 1.0)
             optimizer.zero_grad(set_to_none=True)
-            fp8.after_optimizer_step(model, "tensorwise", mode.fully_sharded)
             losses.append(loss.item())
         return model, optimizer, losses, mode
 
@@ -272,15 +309,17 @@ def test_fsdp2_float8_all_gather_trains_like_fp8_alone_and_saves_plain_tensors(t
             w = model.get_submodule(name).weight._local_tensor
             want_scale = (fp8_max / w._tensor.abs().max().double()).float()
             assert w._precomputed_scale == want_scale, name
+        own = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        assert any(type(t) is not torch.Tensor for t in own.values())  # why full_state unwraps
         state, opt_state = full.full_state(model, optimizer, True)
-        assert any(type(t) is not torch.Tensor for t in state.values())  # why plain_state_dict
-        ckpt = {"model": fp8.plain_state_dict(state), "optimizer": opt_state}
+        assert all(type(t) is torch.Tensor for t in state.values())
+        ckpt = {"model": state, "optimizer": opt_state}
         torch.save(ckpt, tmp_path / "ckpt.pt")
         ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
         assert all(type(t) is torch.Tensor for t in ckpt["model"].values())
         plain = tiny_model(seed=1, vocab_size=512, padded_vocab_size=512)
         plain.load_state_dict(ckpt["model"])
-        for name, t in state.items():
+        for name, t in own.items():
             torch.testing.assert_close(plain.state_dict()[name], fp8._plain(t), rtol=0, atol=0)
         full.load_state(model, optimizer, ckpt)
         assert model(*batch(5, vocab=512)).isfinite()
@@ -330,16 +369,16 @@ def test_gpu_fp8_training_follows_bf16_over_20_steps(recipe, tmp_path, capsys):
 @pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")
 @pytest.mark.parametrize("recipe", [*RECIPES, "fused"])
 def test_gpu_check_passes_and_a_converted_block_matches_bf16(recipe):
-    """check() passes on this GPU; a converted 768-wide model's loss is bf16's within FP8's
-    rounding, and its fp32 master weights get gradients (recipe "fused": the MLPs' only)."""
+    """check() passes on this GPU; a 768-wide model with the recipe (built on the CPU and moved,
+    its FP8 state along) has bf16's loss within FP8's rounding, and its fp32 master weights get
+    gradients (recipe "fused": the MLPs' only)."""
     linears = [n for n in BLOCK_LINEARS if recipe != "fused" or ".mlp." in n]
-    fp8.check(recipe, "cuda")
+    assert fp8.check(recipe, "cuda")
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=2, n_head=12, n_embd=768, block_size=256)
     ref = GPT(cfg).cuda()
-    model = GPT(cfg).cuda()
+    model = GPT(dataclasses.replace(cfg, fp8=recipe)).cuda()
     model.load_state_dict(ref.state_dict())
-    fp8.convert(model, recipe, False)
     x = torch.randint(0, cfg.vocab_size, (8, 257), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         want, loss = ref(x[:, :-1], x[:, 1:]), model(x[:, :-1], x[:, 1:])

@@ -44,10 +44,10 @@ def test_auto_dtype_is_float16_where_bf16_is_only_emulated(monkeypatch, capabili
 
 
 def test_float16_refuses_fp8_and_fsdp2_in_one_line():
-    cfg = types.SimpleNamespace(fp8="tensorwise", shard="none")
+    cfg = types.SimpleNamespace(model=types.SimpleNamespace(fp8="tensorwise"), shard="none")
     with pytest.raises(ConfigError, match="--dtype=bfloat16"):
         LossScaler.for_run(cfg, torch.float16, torch.device("cpu"))
-    cfg = types.SimpleNamespace(fp8="off", shard="full")
+    cfg = types.SimpleNamespace(model=types.SimpleNamespace(fp8="off"), shard="full")
     with pytest.raises(ConfigError, match="--shard=optimizer"):
         LossScaler.for_run(cfg, torch.float16, torch.device("cpu"))
     assert not LossScaler.for_run(cfg, torch.bfloat16, torch.device("cpu")).enabled

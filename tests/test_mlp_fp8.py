@@ -1,6 +1,8 @@
 """gpt2_fused/kernels/mlp_fp8.py: x + MLP(LN(x)) with FP8 GEMMs and fused casts, against the
 same half block in fp32 torch (the Triton interpreter and torch._scaled_mm on CPU)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -71,20 +73,17 @@ def test_delayed_scale_comes_from_the_last_call():
 
 
 def test_fused_recipe_runs_each_blocks_halves_in_fp8():
-    """fp8.convert(model, "fused"): every block's halves go through attn_fp8 and mlp_fp8 (their
-    states fill), the loss and gradients follow the unconverted model's, the state dict's keys
-    stay."""
-    from gpt2_fused.training import fp8
+    """GPTConfig(fp8="fused"), built on the CPU and moved: every block's halves go through
+    attn_fp8 and mlp_fp8 (their states fill, on the model's device), the loss and gradients
+    follow the plain model's, the state dict's keys are its."""
     from model import GPT, GPTConfig
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, padded_vocab_size=256, n_layer=2, n_head=2, n_embd=64,
                     block_size=32)  # fmt: skip
     ref = GPT(cfg).to(DEV)
-    model = GPT(cfg).to(DEV)
+    model = GPT(replace(cfg, fp8="fused")).to(DEV)
     model.load_state_dict(ref.state_dict())
-    names = fp8.convert(model, "fused", False)
-    assert names == [f"transformer.h.{i}.{n}" for i in (0, 1) for n in fp8.BLOCK_LINEARS]
     assert model.state_dict().keys() == ref.state_dict().keys()
     idx = torch.randint(0, 256, (4, 33), device=DEV)
     losses = []
@@ -96,31 +95,33 @@ def test_fused_recipe_runs_each_blocks_halves_in_fp8():
     for block in model.transformer.h:  # both halves ran in FP8
         assert sorted(block.mlp.fp8_state.seen) == sorted(NAMES)
         assert sorted(block.attn.fp8_state.seen) == sorted(block.attn.fp8_state.names)
+        assert block.mlp.fp8_state.slots.device == block.attn.fp8_state.slots.device == idx.device
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert rel(p.grad, q.grad) < 0.15, name
 
 
-def test_fused_recipe_needs_no_dropout():
-    from gpt2_fused.training import fp8
-    from model import GPT, GPTConfig
+@pytest.mark.parametrize("dropout, n_head, n_embd", [(0.1, 2, 64), (0.0, 4, 80), (0.0, 1, 144)])
+def test_fused_recipe_needs_no_dropout_and_cudnns_head_sizes(dropout, n_head, n_embd):
+    """Dropout; a head size of 20 (not a multiple of 8), of 144 (over 128): the plain model
+    takes them, fused refuses each in GPTConfig."""
+    from model import GPTConfig
 
-    cfg = GPTConfig(vocab_size=256, padded_vocab_size=256, n_layer=1, n_head=2, n_embd=64,
-                    block_size=32, dropout=0.1)  # fmt: skip
-    with pytest.raises(ValueError, match="dropout"):
-        fp8.convert(GPT(cfg), "fused", False)
+    kw = dict(n_layer=1, n_head=n_head, n_embd=n_embd, block_size=32, dropout=dropout)
+    GPTConfig(**kw)
+    with pytest.raises(ValueError, match=r"fp8='fused' needs dropout=0.0 and n_embd / n_head in "):
+        GPTConfig(**kw, fp8="fused")
 
 
 def test_fused_recipe_under_torch_compile_matches_eager():
     """torch.compile leaves the FP8 halves eager (torch.compiler.disable) and compiles the rest:
     the compiled model's loss is the eager one's, and gradients reach the FP8 blocks' weights."""
-    from gpt2_fused.training import fp8
     from model import GPT, GPTConfig
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, padded_vocab_size=256, n_layer=1, n_head=2, n_embd=64,
-                    block_size=32, loss_impl="torch")  # fmt: skip
-    model = GPT(cfg).to(DEV)
-    fp8.convert(model, "fused", False)
+                    block_size=32, loss_impl="torch", fp8="fused")  # fmt: skip
+    with torch.device(DEV):  # as train.py builds it: the FP8 state there from the start
+        model = GPT(cfg)
     idx = torch.randint(0, 256, (2, 33), device=DEV)
     want = model(idx[:, :-1], idx[:, 1:]).item()
     loss = torch.compile(model)(idx[:, :-1], idx[:, 1:])

@@ -280,6 +280,17 @@ def test_model_settings_that_may_differ_from_the_source():
     assert (model.dropout, model.mlp_impl, model.attn_impl) == (0.0, "fast", "torch")
 
 
+def test_fp8_is_always_the_runs_own():
+    """fp8 says how the blocks' GEMMs run, not what the weights are: a run takes its own (the
+    default "off" when none is given), new or resumed, whatever its source was trained with."""
+    source = {**vars(TrainConfig().model), "fp8": "tensorwise"}
+    for resuming in (False, True):
+        assert start.settle(load_config([]), source, "src", resuming).fp8 == "off"
+        cfg = load_config(["--fp8=rowwise"])
+        assert start.settle(cfg, source, "src", resuming).fp8 == "rowwise"
+    assert start.resumed_settings(source)["fp8"] == "off"
+
+
 def test_a_resume_on_another_world_size_says_so(exported, tiny_args, tmp_path, capsys):
     """A checkpoint written by 2 processes, resumed by 1: one note, and the run goes on."""
     ckpt = torch.load(exported.ckpt, weights_only=True)

@@ -33,6 +33,15 @@ class Fp8State:
         self.calls = dict.fromkeys(self.names, 0)
         self.fast_grads = fast_grads
 
+    def on(self, device):
+        """self, its slots on `device`: the model that holds it (as a plain attribute, which
+        DDP does not broadcast as it would a buffer) may be built on one device and moved to
+        another. A state built on the meta device has cast nothing: new zeros there."""
+        if self.slots.device != device:
+            meta, slots = self.slots.is_meta, self.slots
+            self.slots = torch.zeros_like(slots, device=device) if meta else slots.to(device)
+        return self
+
     @property
     def seen(self):
         """The names cast at least once."""

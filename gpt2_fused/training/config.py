@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass, field, replace
 from gpt2_fused.training import cli
 from gpt2_fused.training.compile_settings import BUFFER_REUSE, COMPILE_MODES
 from gpt2_fused.training.errors import UsageError
-from gpt2_fused.training.fp8 import RECIPES as FP8_RECIPES
 from model import IMPLS, GPTConfig, setting
 
 
@@ -52,9 +51,6 @@ class TrainConfig:
     # GPT-2 preset, and its other fields (n_layer, softcap, loss_impl, ...) override that
     model: GPTConfig = field(default_factory=small_model)
     adamw_impl: str = setting("fast", '"fast": one Triton launch (CUDA fp32); "torch": torch.optim')
-    # the blocks' Linears on FP8 tensor cores, through torchao or our kernels' casts
-    # (gpt2_fused/training/fp8.py); lm_head stays bf16
-    fp8: str = setting("off", '"off", "tensorwise", "rowwise" (torchao) or "fused": FP8 GEMMs')
     # batch: total_batch_size tokens per optimizer step = batch_size * T * world_size * grad_accum
     # "auto": the largest of 64, 32, ..., 1 that fits the GPU (8 on a CPU; training/memory.py)
     batch_size: int | str = setting("auto", 'micro-batch per process (sequences), or "auto"')
@@ -198,13 +194,11 @@ class TrainConfig:
                 "config key 'activation_memory_budget' must be in (0, 1], "
                 f"got {cfg.activation_memory_budget!r}"
             )
-        if cfg.fp8 not in FP8_RECIPES:
-            raise ConfigError(f"config key 'fp8': one of {FP8_RECIPES}, not {cfg.fp8!r}")
         # the tokens dW sums over in each FP8 GEMM ("auto" picks only rungs where this holds)
         rows = cfg.model.block_size * (16 if cfg.batch_size == "auto" else cfg.batch_size)
-        if cfg.fp8 != "off" and rows % 16:
+        if cfg.model.fp8 != "off" and rows % 16:
             raise ConfigError(
-                f"fp8={cfg.fp8!r}: batch_size * block_size = {rows} must be a multiple of 16 "
+                f"fp8={cfg.model.fp8!r}: batch_size * block_size = {rows} must be a multiple of 16 "
                 "(torch._scaled_mm's dimensions)"
             )
         if cfg.adamw_impl not in IMPLS:
@@ -252,7 +246,8 @@ class TrainConfig:
                 f"config key 'init_from': {cfg.init_from!r} names no weights; to continue the "
                 "newest checkpoint in out_dir pass --resume, else 'scratch', a GPT-2 name or a path"
             )
-        if cfg.fp8 == "fused" and cfg.shard == "full":  # FSDP2's sharded weights: not measured
+        # FSDP2's sharded weights: not measured
+        if cfg.model.fp8 == "fused" and cfg.shard == "full":
             raise ConfigError(
                 "fp8='fused' with shard='full': the fused FP8 kernels take whole weights and are "
                 "untested under FSDP2; use --shard=optimizer or --fp8=tensorwise"

@@ -10,7 +10,8 @@ FSDP2, on torch's own engines.
                weights, grads and AdamW state are DTensors split along dim 0: 16/W B/param, plus
                the blocks' weights gathered one or two at a time, the root's through the step,
                and with gradient accumulation the grads unsharded (4 B/param) until the last
-               micro-step reduce-scatters them
+               micro-step reduce-scatters them; fp8="tensorwise" gathers the blocks' weights in
+               float8 (torchao's float8 all-gather: gpt2_fused/training/fp8.py)
 
 The all-reduce of ZeRO-1 is DDP's unchanged (reduce-scatter would need FSDP2's ZeRO-2 layout;
 not measured on several GPUs). FSDP2 gathers the fp32 weights and autocast casts them at each
@@ -37,6 +38,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+from gpt2_fused.training import fp8
 from gpt2_fused.training.compile_settings import uses_cuda_graphs
 from gpt2_fused.training.config import ConfigError
 from gpt2_fused.training.kept_grads import KeptGrads
@@ -236,6 +238,7 @@ class FSDP2(DataParallel):
         """FSDP2 on each Block, then on the root model, in place (raw_model's parameters become
         DTensor shards). The root holds wte, which is lm_head (one Parameter): its pre-forward
         gathers it, so the loss inside GPT.forward reads the full, current weight."""
+        fp8.gather_in_float8(raw_model)  # tensorwise: torchao's wrappers, before all else
         # each rank initialised its own weights (seed + rank) and FSDP2 keeps the slice it finds:
         # rank 0's go to every rank first, as DDP does when it wraps the model
         for t in itertools.chain(raw_model.parameters(), raw_model.buffers()):
@@ -267,7 +270,9 @@ class FSDP2(DataParallel):
         with shard='full' (loss_scale.LossScaler.for_run)."""
         norm = torch.nn.utils.clip_grad_norm_(list(raw_model.parameters()), max_norm)
         optimizer.step()
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        fp8.after_optimizer_step(raw_model)  # the float8 all-gather's scales, of the new weights
+        return norm
 
     def full_state(self, raw_model, optimizer, master):
         """CPU tensors on rank 0."""
@@ -277,6 +282,8 @@ class FSDP2(DataParallel):
         if not master:
             return None, None
         model["lm_head.weight"] = model["transformer.wte.weight"]  # tied: one tensor, saved once
+        # at world size 1 the float8 all-gather's wrappers stay: plain tensors for the checkpoint
+        model = fp8.plain_state_dict(model)
         return model, _by_index(state)
 
     def load_state(self, raw_model, optimizer, ckpt):

@@ -1,13 +1,15 @@
-"""Opt-in FP8 training of the transformer blocks' Linears (--fp8), on torchao's float8 training.
+"""FP8 GEMMs (GPTConfig.fp8, --fp8) besides the model: check() that this GPU, torch and torchao
+run the recipe, and FSDP2's float8 all-gather. The model builds its blocks for its recipe itself
+(model.py), so the FP8 GEMMs run wherever a GPT with that config does.
 
-Each block's four Linears (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj) become torchao's
-Float8Linear: the three GEMMs of each, y = x W^T, dx = dy W, dW = dy^T x, run on FP8 tensor cores
-(torch._scaled_mm), their operands cast to float8 with scales taken from the operands' absolute
-maxima at that moment (dynamic scaling), the products summed in fp32 and written in bf16.
-Everything else is as without --fp8: the fp32 master weights and AdamW, the attention itself
-(SDPA), LayerNorms, GELU, the embeddings, and lm_head (= wte, tied), whose weight the fused loss
-reads in bf16. The model's fast MLP and attention paths, which run GEMMs of their own from the
-raw weights, are off in converted blocks.
+Under torchao's recipes each block's four Linears (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
+are torchao's Float8Linear: the three GEMMs of each, y = x W^T, dx = dy W, dW = dy^T x, run on FP8
+tensor cores (torch._scaled_mm), their operands cast to float8 with scales taken from the
+operands' absolute maxima at that moment (dynamic scaling), the products summed in fp32 and
+written in bf16. Everything else is as without --fp8: the fp32 master weights and AdamW, the
+attention itself (SDPA), LayerNorms, GELU, the embeddings, and lm_head (= wte, tied), whose weight
+the fused loss reads in bf16. The model's fast MLP and attention paths, which run GEMMs of their
+own from the raw weights, are off under torchao's recipes.
 
     tensorwise  one scale per tensor; x and W in e4m3, dy in e5m2; cuBLAS GEMMs, the fastest
     rowwise     one power-of-two scale per row of each operand, all in e4m3; CUTLASS GEMMs
@@ -18,17 +20,18 @@ raw weights, are off in converted blocks.
     off         no conversion (bf16 autocast with fp32 master weights, the default)
 
 torch._scaled_mm takes dimensions that are multiples of 16 only, the summed one included: n_embd
-(convert checks it) and, in training, the tokens of a micro-batch, B * T (dW sums over them).
+(GPTConfig checks it) and, in training, the tokens of a micro-batch, B * T (dW sums over them).
 
 Under FSDP2 (shard="full") tensorwise all-gathers the blocks' weights in float8 (1 B/param
 instead of fp32's 4): each rank casts its shard with the scale of the whole weight, and
-after_optimizer_step computes the new scales of all of them in one all-reduce. torchao has no
-float8 all-gather for rowwise, which gathers the fp32 weights as without --fp8.
+after_optimizer_step computes the new scales of all of them in one all-reduce (data_parallel.FSDP2
+calls gather_in_float8, after_optimizer_step and plain_state_dict: only FSDP2 needs them).
+torchao has no float8 all-gather for rowwise, which gathers the fp32 weights as without FP8.
 
-Checkpoints hold plain tensors under the unconverted model's keys (Float8Linear is an nn.Linear
-with the same weight and bias; plain_state_dict unwraps the float8 all-gather's weights), so FP8
-and bf16 runs, sample.py and eval load each other's. torchao is imported only here, inside the
-functions, so it is needed only by runs that ask for FP8.
+Checkpoints hold plain tensors under the plain model's keys (Float8Linear is an nn.Linear with
+the same weight and bias; plain_state_dict unwraps the float8 all-gather's weights), so FP8 and
+bf16 runs, sample.py and eval load each other's. torchao is imported only inside functions (here
+and in GPT's constructor), so it is needed only by runs that ask for FP8.
 """
 
 import dataclasses
@@ -40,24 +43,23 @@ from torch import nn
 from gpt2_fused.kernels.fast_paths import gpu_runs
 from gpt2_fused.kernels.launch import capability
 
-RECIPES = ("off", "tensorwise", "rowwise", "fused")
 # torchao 0.17 is the first release built against torch's stable ABI (torch 2.11 and later);
 # older ones must match torch's version exactly. This module is written against 0.18's API.
 MIN_TORCHAO = (0, 17)
 MIN_TORCH = (2, 11)
-# the Linears of each Block that become Float8Linear, by their names inside the Block
+# the Linears of each Block whose GEMMs a recipe puts on FP8 tensor cores, by their names in it
 BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 def check(recipe, device):
-    """ValueError (one line: what is wrong, what to do) where this run cannot train with `recipe`
-    on `device` (a torch.device or its string); nothing for "off". Every sharding mode runs
-    ("none", "optimizer", "full"): rowwise under FSDP2 gathers the fp32 weights (torchao's float8
-    all-gather is tensorwise only). Runs a tiny FP8 GEMM on the GPU, forward and backward, so that
-    a missing kernel (say rowwise on a GPU or torch build without it) stops the run here, not at
-    its first step."""
-    if recipe == "off":  # the name itself is TrainConfig's to check
-        return
+    """The start-up report's lines on `recipe` (GPTConfig.fp8) on `device` (a torch.device or its
+    string): none for "off". ValueError (one line: what is wrong, what to do) where this run
+    cannot train with it. Every sharding mode runs ("none", "optimizer", "full"): rowwise under
+    FSDP2 gathers the fp32 weights (torchao's float8 all-gather is tensorwise only). Runs a tiny
+    FP8 GEMM on the GPU, forward and backward, so that a missing kernel (say rowwise on a GPU or
+    torch build without it) stops the run here, not at its first step."""
+    if recipe == "off":  # the name itself is GPTConfig's to check
+        return []
     device = torch.device(device)
     if recipe == "fused":
         name = _check_gpu(recipe, device)
@@ -74,7 +76,7 @@ def check(recipe, device):
                 "TRITON_PTXAS_PATH to a CUDA 13 ptxas (e.g. /usr/local/cuda/bin/ptxas) or pass "
                 "--fp8=tensorwise"
             )
-        return
+        return _notes(recipe, device)
     torchao = _import_torchao(recipe)
     ours, theirs = _version(torch.__version__), _version(torchao.__version__)
     if theirs is not None and theirs < MIN_TORCHAO:
@@ -107,6 +109,7 @@ def check(recipe, device):
             f"fp8={recipe!r}: torchao's FP8 GEMMs fail on {name} with torch {torch.__version__}, "
             f"torchao {torchao.__version__} ({first}): try the other recipe or --fp8=off"
         ) from e
+    return _notes(recipe, device)
 
 
 def _check_gpu(recipe, device):
@@ -126,74 +129,26 @@ def _check_gpu(recipe, device):
     return name
 
 
-def convert(model, recipe, fully_sharded):
-    """Swap the blocks' Linears of `model` (a model.GPT on its device, before torch.compile, DDP
-    or data_parallel's shard_model) for torchao's Float8Linear, in place; their names. fully_sharded
-    (FSDP2) and tensorwise: their weights become torchao's float8 all-gather wrappers."""
-    if recipe == "off":
-        return []
-    n_embd = model.config.n_embd
-    if n_embd % 16:  # torch._scaled_mm: the GEMMs' K and N are multiples of 16
-        raise ValueError(f"fp8={recipe!r} needs n_embd divisible by 16, got {n_embd}")
-    if recipe == "fused":
-        return _convert_fused(model)
+def gather_in_float8(model):
+    """Under FSDP2, before fully_shard (data_parallel.FSDP2.shard_model): a tensorwise model's block
+    Linears swapped again (a Float8Linear is an nn.Linear: the same Parameters, a new module) with
+    torchao's float8 all-gather on, which wraps their weights. Nothing for the other recipes."""
+    if model.config.fp8 != "tensorwise":
+        return
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = Float8LinearConfig.from_recipe_name(recipe)
-    if fully_sharded and recipe == "tensorwise":
-        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    wanted = {
-        f"transformer.h.{i}.{name}"
-        for i in range(len(model.transformer.h))
-        for name in BLOCK_LINEARS
-    }
-    converted = []
-
-    def swap(module, fqn):
-        # called for every nn.Linear; lm_head (wte's weight) is never swapped
-        if fqn in wanted:
-            converted.append(fqn)
-            return True
-        return False
-
-    # Note: torchao also patches Inductor's Triton codegen of min/max here, process-wide (the
-    # same values; it avoids a Triton miscompile of float8 stores, torchao/float8/_inductor_patch)
-    convert_to_float8_training(model, module_filter_fn=swap, config=config)
-    for block in model.transformer.h:
-        # the fast paths run their GEMMs from the raw bf16 weights, bypassing the Linears'
-        # forwards (and so FP8); the torch paths call the (now Float8Linear) modules
-        block.mlp.use_cublaslt = False
-        block.attn.use_fast = False
-    return converted
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    for block in model.transformer.h:  # as GPT's constructor swaps them
+        convert_to_float8_training(block, config=config)
 
 
-def _convert_fused(model):
-    """Give each block's attention and MLP an Fp8State: model.Block then runs its two halves as
-    attn_fp8 and mlp_fp8."""
-    from gpt2_fused.kernels.attn_fp8 import attn_state
-    from gpt2_fused.kernels.mlp_fp8 import mlp_state
-
-    cfg = model.config
-    if cfg.dropout:
-        raise ValueError("fp8='fused' has no dropout in its blocks: needs dropout=0.0")
-    hs = cfg.n_embd // cfg.n_head
-    if hs % 8 or hs > 128:  # cuDNN's attention, as the bf16 fast path's
-        raise ValueError(f"fp8='fused' needs a head size that is a multiple of 8 up to 128, "
-                         f"got {hs}")  # fmt: skip
-    device = model.transformer.wte.weight.device
-    names = []
-    for i, block in enumerate(model.transformer.h):
-        block.attn.fp8_state, block.mlp.fp8_state = attn_state(device), mlp_state(device)
-        names += [f"transformer.h.{i}.{n}" for n in BLOCK_LINEARS]
-    return names
-
-
-def after_optimizer_step(model, recipe, fully_sharded):
-    """Call after every optimizer step (model: the raw model, FSDP2's when fully_sharded). With
-    the float8 all-gather (tensorwise under FSDP2) computes the next forward's scales of all the
-    blocks' weights in one all-reduce; without it each weight's all-gather would all-reduce its
-    own amax. Nothing otherwise."""
-    if recipe == "tensorwise" and fully_sharded:
+def after_optimizer_step(model):
+    """Under FSDP2, after every optimizer step (data_parallel.FSDP2.step; model: the sharded raw
+    model). With the float8 all-gather (tensorwise) computes the next forward's scales of all
+    the blocks' weights in one all-reduce; without it each weight's all-gather would all-reduce
+    its own amax. Nothing for the other recipes."""
+    if model.config.fp8 == "tensorwise":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)
@@ -249,10 +204,10 @@ def _tiny_fused_step(device):
     torch.cuda.synchronize(device)
 
 
-def notes(recipe, n, device):
-    """train.py's start-up notes on a model whose n block Linears convert() converted."""
+def _notes(recipe, device):
+    """check()'s start-up report lines on a recipe it passed."""
     how = "our kernels' casts" if recipe == "fused" else "torchao"
-    out = [f"fp8 {recipe}: {n} block Linears on FP8 GEMMs ({how}), lm_head bf16"]
+    out = [f"fp8 {recipe}: the blocks' Linears on FP8 GEMMs ({how}), lm_head bf16"]
     if recipe == "fused" and transposes_split(device):  # bench/RESULTS.md#fp8-fused-casts
         out.append("fp8 fused: the transposed FP8 copies by passes of their own, as this ptxas "
                    "miscompiles them in the casting kernels: a CUDA 13 ptxas in "

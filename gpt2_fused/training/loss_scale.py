@@ -41,10 +41,10 @@ class LossScaler:
     def for_run(cls, cfg, dtype, device):
         """The run's LossScaler, enabled for float16; ConfigError for what float16 does not run
         with."""
-        if dtype == torch.float16 and cfg.fp8 != "off":
+        if dtype == torch.float16 and cfg.model.fp8 != "off":
             raise ConfigError(
-                f"fp8={cfg.fp8!r} with dtype float16: the FP8 GEMMs read and write bf16 (every "
-                "GPU with FP8 has bf16); pass --dtype=bfloat16, or --fp8='off'"
+                f"fp8={cfg.model.fp8!r} with dtype float16: the FP8 GEMMs read and write bf16 "
+                "(every GPU with FP8 has bf16); pass --dtype=bfloat16, or --fp8='off'"
             )
         if dtype == torch.float16 and cfg.shard == "full":
             raise ConfigError(

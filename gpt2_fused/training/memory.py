@@ -219,7 +219,7 @@ def pick_batch(cfg, procs, model, optimizer, dtype, card):
     T, W = cfg.model.block_size, procs.world_size
     if cfg.batch_size != "auto":
         return [] if card is None else [f"micro-batch {cfg.batch_size} (as given, {card})"]
-    rungs = allowed_rungs(cfg.total_batch_size, T, W, cfg.fp8 != "off")
+    rungs = allowed_rungs(cfg.total_batch_size, T, W, cfg.model.fp8 != "off")
     if card is None:
         cfg.batch_size = max([b for b in rungs if b <= CPU_BATCH] or [rungs[-1]])
         return [f"micro-batch {cfg.batch_size} (auto, cpu)"]
@@ -290,7 +290,7 @@ def refusal(cfg, card, count, params, moments, world_size):
     fixes = []
     if cfg.activation_memory_budget > 0.5:
         fixes.append("--activation_memory_budget=0.5 (recomputes activations)")
-    if cfg.fp8 == "off":
+    if cfg.model.fp8 == "off":
         fixes.append("--fp8=fused (compute capability 8.9+)")
     if world_size == 1 or cfg.shard == "none":
         fixes.append("torchrun --shard=optimizer over 2+ GPUs")

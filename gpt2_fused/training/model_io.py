@@ -21,11 +21,13 @@ PREDATED = {"low_precision_residual": False}
 
 def checkpoint_settings(saved):
     """A checkpoint's model_config completed: a key it predates takes the value it was trained
-    with (PREDATED), else the default. The fast-path switches (IMPL_KEYS) say how the run that
-    wrote it computed, not what the model is: they take today's defaults. Keys GPTConfig does
-    not know are kept for the caller to name."""
+    with (PREDATED), else the default. The fast-path switches (IMPL_KEYS) and fp8 say how the run
+    that wrote it computed, not what the model is: they take today's defaults (an FP8 run's
+    weights load into a plain model). Keys GPTConfig does not know are kept for the caller to
+    name."""
     defaults = {f.name: f.default for f in fields(GPTConfig)}
-    return defaults | PREDATED | {k: v for k, v in saved.items() if k not in IMPL_KEYS}
+    how = (*IMPL_KEYS, "fp8")
+    return defaults | PREDATED | {k: v for k, v in saved.items() if k not in how}
 
 
 def from_checkpoint(path, map_location="cpu", warn=None, say=None):

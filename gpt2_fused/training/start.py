@@ -10,6 +10,7 @@ the command line gave (TrainConfig.given) must agree with them, except:
 - the fast-path switches (IMPL_KEYS: how a layer is computed, not what) and dropout (a
   regulariser): a new run's own; a resumed run keeps the checkpoint's unless one is given;
 - low_precision_residual (rounding, not weights): a new run's own; a resumed run keeps it;
+- fp8 (how the blocks' GEMMs run; the weights load into any recipe): always the run's own;
 - block_size under init_from: a smaller one keeps the first rows of the position embeddings
   (nanoGPT's crop_block_size).
 """
@@ -125,9 +126,9 @@ def settle(cfg, source, where, resuming):
         raise ConfigError(f"{where} has model settings this version does not know: {unknown}")
     given = given_model_flags(cfg)
     if resuming:
-        free = set(given) & {*IMPL_KEYS, "dropout"}
+        free = (set(given) & {*IMPL_KEYS, "dropout"}) | {"fp8"}
     else:
-        free = {*IMPL_KEYS, "dropout", "low_precision_residual"}
+        free = {*IMPL_KEYS, "dropout", "low_precision_residual", "fp8"}
         if "block_size" in given and own["block_size"] <= source["block_size"]:
             free.add("block_size")
     differ = [k for k in given if k not in free and own[k] != source[k]]
