@@ -272,14 +272,14 @@ def test_a_checkpoint_of_an_fp8_run_loads_as_a_plain_model(recipe, tmp_path):
 
 
 def test_fsdp2_float8_all_gather_trains_like_fp8_alone_and_saves_plain_tensors(tmp_path):
-    """One gloo rank: tensorwise under FSDP2 (data_parallel.FSDP2 turns torchao's float8
-    all-gather on before fully_shard) trains 3 steps to the losses of the unsharded FP8 model:
-    the same scales (amax of the whole weight), precomputed after each optimizer step
-    (FSDP2.step) from the updated weights. Bit for bit on torch 2.13; torch 2.11's CPU GEMM sums the weight's other
-    layout in another order (4e-5 relative at the first step), and FP8's roundings can carry
-    that on: 1e-3 relative allowed.
-    FSDP2's own full state dict keeps torchao's wrapper at world size 1; full_state unwraps it
-    into a checkpoint that loads into a plain model and back into the sharded FP8 one."""
+    """One gloo rank: tensorwise under FSDP2 (data_parallel.FSDP2 turns torchao's float8 all-gather
+    on before fully_shard) trains 3 steps to the losses of the unsharded FP8 model: the same scales
+    (amax of the whole weight), precomputed after each optimizer step (FSDP2.step) from the updated
+    weights. Bit for bit on torch 2.13; torch 2.11's CPU GEMM sums the weight's other layout in
+    another order (4e-5 relative at the first step), and FP8's roundings can carry that on: 1e-3
+    relative allowed. FSDP2's own full state dict keeps torchao's wrapper at world size 1;
+    full_state unwraps it into a checkpoint that loads into a plain model and back into the sharded
+    FP8 one."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
