@@ -186,3 +186,21 @@ def test_the_wheel_check_sees_the_clone_and_an_undeclared_package(tmp_path):
         (5, "yaml"),
         (6, "gpt2_fused.training.errors"),
     ]
+
+
+# a newcomer reads these whole: past these sizes a part belongs in a module of its own
+SIZES = {"train.py": 450, "model.py": 450, "sample.py": 450}  # lines
+MAIN_LINES = 150  # train.py's main(), read top to bottom
+
+
+@pytest.mark.parametrize("name, limit", SIZES.items())
+def test_the_commands_and_the_model_stay_readable_in_one_sitting(name, limit):
+    lines = (ROOT / name).read_text().count("\n")
+    assert lines <= limit, f"{name} has {lines} lines, over {limit}"
+
+
+def test_train_main_reads_top_to_bottom():
+    tree = ast.parse((ROOT / "train.py").read_text())
+    main = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "main")
+    lines = main.end_lineno - main.lineno + 1
+    assert lines <= MAIN_LINES, f"train.py's main() has {lines} lines, over {MAIN_LINES}"
