@@ -17,6 +17,7 @@ several share from bench.common, never from one another. Their results go to ben
     bench_layernorm_grad  a LayerNorm's fwd+bwd per Inductor mix-order split size
     bench_gemv          the batch-1 decoding GEMV with its weights from HBM
     bench_adamw         the optimizer step against its memory floor
+    bench_muon          Muon's optimizer step and Newton-Schulz against AdamW and the plain loop
     bench_fp8           FP8 variants of the training fwd+bwd against bf16
     bench_fp8_mlp       a half block (MLP or attention) fwd+bwd: bf16, torchao FP8, fused casts
     fp8_stress          delayed FP8 scales under stress: 20 steps at lr 1e-3, per-step gaps to bf16

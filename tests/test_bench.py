@@ -17,6 +17,7 @@ import bench
 from bench import (
     bench_adamw,
     bench_fused_loss,
+    bench_muon,
     common,
     parity,
     peer_nanogpt,
@@ -366,3 +367,15 @@ def test_peer_nanogpt_reports_the_childs_error_and_no_speed(tmp_path):
     r = peer_nanogpt.run(str(tmp_path), "124M", 8, steps=3, warmup=1, bias=False, timeout=120)
     assert r["rc"] != 0 and "tok_per_s" not in r
     assert "not the nanoGPT this expects" in r["error"]
+
+
+def test_bench_muon_counts_newton_schulz_flops_and_prints_every_row(capsys):
+    """Five steps of 2 m^2 n + m^3 multiply-adds on the wide side (m <= n), per matrix of the
+    stack; on a CPU the check runs and the four rows print without timings."""
+    assert bench_muon.ns_flops((768, 3072)) == 5 * 2 * (2 * 768**2 * 3072 + 768**3)
+    assert bench_muon.ns_flops((3, 3072, 768)) == 3 * bench_muon.ns_flops((768, 3072))
+    bench_muon.main(["--preset", "124M", "--layers", "1", "--reps", "1"])
+    out = capsys.readouterr().out
+    assert "0.127 TFLOP a step" in out and "compiled against the loop: 0.00%" in out
+    for row in ("adamw", "muon", "ns compiled", "ns loop"):
+        assert f"| {row} | nan |" in out
