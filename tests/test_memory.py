@@ -6,6 +6,8 @@ run and an auto run against the explicit one."""
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -400,9 +402,6 @@ def test_gpu_auto_under_torchrun(tmp_path, extra):
     """batch_size=auto in a torchrun process (NCCL, one rank: the all_reduce of each verdict
     runs) with FSDP2, and with FP8 compiled (CUDA graphs where compile_mode auto picks them),
     124M under an 8 GiB cap: the run picks a rung, says so in one line, and trains 3 steps."""
-    import subprocess
-    import sys
-
     from bench.throughput import random_dataset
     from data.prepare import CACHE_DIR
 
@@ -413,7 +412,7 @@ def test_gpu_auto_under_torchrun(tmp_path, extra):
            "--sample_interval=0", "--ckpt_interval=0", "--val_tokens=8192", f"--out_dir={out}",
            *extra]  # fmt: skip
     env = {**os.environ, memory.CAP_ENV: "8"}
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(train.__file__)
     res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert re.search(r"micro-batch \d+ \(auto, 8\.0 GiB cap of a [\d.]+ GiB card", res.stdout)
